@@ -1,0 +1,77 @@
+"""What an implementation of an op *is*, as the contract records it.
+
+`ImplInfo` is the meeting point of the canonical ops (which describe themselves with it)
+and the contract (which records, per site, the `ImplInfo` actually installed there).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+
+NATIVE_PREFIX = "native:"
+
+
+def source_fingerprint(*objs: Callable[..., object] | type | ModuleType) -> str:
+    """SHA-256 (hex, first 16 bytes) of the source code of the given functions/classes/modules.
+
+    An edited kernel gets a new fingerprint even if nobody bumps its version, so it can never
+    keep an old contract hash.
+    """
+    h = hashlib.sha256()
+    for obj in objs:
+        src = inspect.getsource(obj)
+        h.update(src.encode("utf-8"))
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+@dataclass(frozen=True)
+class ImplInfo:
+    """One implementation of an op: id, version, backend, parameters and a source fingerprint.
+
+    `params` values are strings (the contract holds no floats); use `ImplInfo.make` to build
+    one from a plain mapping.
+    """
+
+    op: str
+    impl_id: str
+    version: int
+    backend: str
+    params: tuple[tuple[str, str], ...] = field(default_factory=tuple)
+    source_fingerprint: str = ""
+
+    @staticmethod
+    def make(
+        op: str,
+        impl_id: str,
+        version: int,
+        backend: str,
+        params: Mapping[str, object] | None = None,
+        source_fingerprint: str = "",
+    ) -> ImplInfo:
+        items = tuple(sorted((str(k), _param_str(v)) for k, v in (params or {}).items()))
+        return ImplInfo(op, impl_id, version, backend, items, source_fingerprint)
+
+    @staticmethod
+    def native(op: str, module_class: str) -> ImplInfo:
+        """A site left to the framework's own kernel: recorded, never omitted."""
+        return ImplInfo(op, f"{NATIVE_PREFIX}{module_class}", 0, "native")
+
+    @property
+    def is_native(self) -> bool:
+        return self.impl_id.startswith(NATIVE_PREFIX)
+
+    def param_dict(self) -> dict[str, str]:
+        return dict(self.params)
+
+
+def _param_str(v: object) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, float):
+        return v.hex()  # exact, and never a JSON float
+    return str(v)

@@ -1,0 +1,1 @@
+"""IsoExec trainer side: canonical ops installed into Megatron-core models."""

@@ -1,0 +1,1 @@
+"""IsoExec engine side: a vLLM plugin that installs the canonical ops into vLLM."""
