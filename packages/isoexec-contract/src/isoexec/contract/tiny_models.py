@@ -1,0 +1,127 @@
+"""Tiny random-weight Hugging Face checkpoints, made locally (never downloaded).
+
+Tests, `isoexec pair --preset` and the benchmarks all build their models here, so the three
+model families exist in exactly one place. Needs `transformers` (pulled by vLLM on engine
+nodes; a dev dependency of the workspace).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Qwen3 dense: GQA, qk-norm, untied lm head. head_dim 64: vLLM's CPU attention needs >= 64.
+    "tiny-dense": {
+        "model_type": "qwen3",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3 MoE: 8 experts, top-2 with renormalisation.
+    "tiny-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+    # Qwen3-Next hybrid: GDN layers + one gated full-attention layer, MoE with shared expert.
+    "tiny-gdn": {
+        "model_type": "qwen3_next",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "shared_expert_intermediate_size": 64,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "linear_attention",
+            "linear_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "partial_rotary_factor": 0.25,
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
+}
+
+
+def make_tiny_model(
+    preset: str,
+    out_dir: str | Path,
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a random-weight checkpoint (config.json + model.safetensors) for `preset`.
+
+    `overrides` change config fields (e.g. a wider hidden size for a negative control).
+    Deterministic for a given (preset, dtype, seed, overrides).
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}")
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(PRESETS[preset])
+    fields.update(overrides or {})
+    model_type = fields.pop("model_type")
+    config = AutoConfig.for_model(model_type, **fields)
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    config.dtype = dtype
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _spread_weights(model, seed)
+    model = model.to(torch_dtype)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+def _spread_weights(model: Any, seed: int) -> None:
+    """Give every parameter non-trivial values.
+
+    HF initialises norms to exactly 1 (or 0 for zero-centred norms) and some GDN parameters to
+    constants; a test on such weights could pass by luck, so every tensor gets random noise.
+    """
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if p.ndim == 1:
+                p.add_(0.1 * noise)
+            else:
+                p.copy_(noise * 0.05)
+            del name

@@ -1,0 +1,249 @@
+"""A real vLLM engine in a child process that can never outlive its owner.
+
+Why a child process: the IsoExec switch is read when vLLM loads its plugins, once per process,
+and `CustomOp` overrides are process-global; a stock engine and an IsoExec engine therefore
+cannot share a process. Why the care: orphaned vLLM engines (~2 GB each) filled the CI machine.
+
+Every engine runs in its own session (process group). `EngineProcess.close()` asks it to shut
+down, then kills the whole group, which also takes vLLM's own EngineCore children. An `atexit`
+hook does the same for engines still open when the interpreter exits, and the child dies with
+its parent (PR_SET_PDEATHSIG).
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+_LIVE_GROUPS: set[int] = set()
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything that decides how the engine is built; one object instead of many flags."""
+
+    model: str
+    dtype: str = "float32"
+    isoexec: bool = False
+    max_model_len: int = 512
+    enable_prefix_caching: bool = True
+    max_num_batched_tokens: int | None = None
+    multiprocessing: bool = False
+    kv_cache_gib: int = 1
+    seed: int = 0
+    # Logprobs of the distribution actually sampled from (after temperature): what PPO needs.
+    logprobs_mode: str = "processed_logprobs"
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    max_tokens: int = 8
+    temperature: float = 1.0
+    prompt_logprobs: bool = False
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class Completion:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]  # logprob of each sampled token (fp32 values, exact as Python floats)
+    prompt_logprobs: list[float] | None  # for prompt tokens 1..n-1, when asked
+
+
+class EngineError(RuntimeError):
+    """The engine child raised; the message carries its traceback."""
+
+
+class EngineProcess:
+    """Owner handle of one vLLM engine child. Use as a context manager."""
+
+    def __init__(self, config: EngineConfig, *, start_timeout_s: float = 600.0) -> None:
+        self.config = config
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve, args=(config, child_conn), daemon=False)
+        self._proc.start()
+        assert self._proc.pid is not None
+        self.pid: int = self._proc.pid
+        _LIVE_GROUPS.add(self.pid)
+        child_conn.close()
+        try:
+            self._expect_ready(start_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- requests -------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSpec | list[SamplingSpec]
+    ) -> list[Completion]:
+        return self._call("generate", prompts, sampling)
+
+    def call(self, method: str, *args: Any) -> Any:
+        """Run a named engine-side request (see `_Handler`)."""
+        return self._call(method, *args)
+
+    def _call(self, method: str, *args: Any) -> Any:
+        if not self._proc.is_alive():
+            raise EngineError(f"engine process {self.pid} is not running")
+        self._conn.send((method, args))
+        ok, payload = self._conn.recv()
+        if not ok:
+            raise EngineError(payload)
+        return payload
+
+    def _expect_ready(self, timeout_s: float) -> None:
+        if not self._conn.poll(timeout_s):
+            raise EngineError(f"engine did not start within {timeout_s:.0f} s")
+        ok, payload = self._conn.recv()
+        if not ok:
+            raise EngineError(payload)
+
+    # ---- lifetime -------------------------------------------------------------------------
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Shut the engine down; whatever happens, no process of its group survives."""
+        try:
+            if self._proc.is_alive():
+                with contextlib.suppress(OSError, EOFError, BrokenPipeError):
+                    self._conn.send(("shutdown", ()))
+                self._proc.join(timeout_s)
+        finally:
+            kill_group(self.pid)
+            self._proc.join(5)
+            _LIVE_GROUPS.discard(self.pid)
+            self._conn.close()
+
+    def __enter__(self) -> EngineProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def kill_group(pgid: int) -> None:
+    """SIGKILL every process in the group (the engine child and anything it started)."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+@atexit.register
+def _kill_live_groups() -> None:
+    for pgid in list(_LIVE_GROUPS):
+        kill_group(pgid)
+    _LIVE_GROUPS.clear()
+
+
+# ---- the child -------------------------------------------------------------------------------
+def _die_with_parent() -> None:
+    """Linux: deliver SIGKILL to this process when its parent dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+
+
+def _serve(config: EngineConfig, conn: Connection) -> None:
+    os.setsid()
+    _die_with_parent()
+    os.environ["ISOEXEC"] = "1" if config.isoexec else "0"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
+    os.environ.update(config.extra_env)
+    try:
+        handler = _Handler(config)
+    except BaseException:
+        conn.send((False, traceback.format_exc()))
+        return
+    conn.send((True, None))
+    while True:
+        try:
+            method, args = conn.recv()
+        except EOFError:
+            break
+        if method == "shutdown":
+            handler.shutdown()
+            break
+        try:
+            conn.send((True, getattr(handler, method)(*args)))
+        except Exception:
+            conn.send((False, traceback.format_exc()))
+
+
+class _Handler:
+    """Engine-side request handlers. Runs only inside the child."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from vllm import LLM
+
+        kwargs: dict[str, Any] = {
+            "model": config.model,
+            "skip_tokenizer_init": True,
+            "enforce_eager": True,
+            "dtype": config.dtype,
+            "max_model_len": config.max_model_len,
+            "enable_prefix_caching": config.enable_prefix_caching,
+            "seed": config.seed,
+            "logprobs_mode": config.logprobs_mode,
+        }
+        if config.max_num_batched_tokens is not None:
+            kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
+            kwargs["enable_chunked_prefill"] = True
+        self.llm = LLM(**kwargs)
+        self.started = time.time()
+
+    def generate(
+        self, prompts: list[list[int]], sampling: SamplingSpec | list[SamplingSpec]
+    ) -> list[Completion]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        specs = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        params = [
+            SamplingParams(
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                logprobs=0,
+                prompt_logprobs=0 if s.prompt_logprobs else None,
+                detokenize=False,
+                ignore_eos=True,
+            )
+            for s in specs
+        ]
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
+        result = []
+        for prompt, out in zip(prompts, outs, strict=True):
+            comp = out.outputs[0]
+            toks = list(comp.token_ids)
+            lps = [step[t].logprob for t, step in zip(toks, comp.logprobs, strict=True)]
+            plps = None
+            if out.prompt_logprobs is not None:
+                plps = [
+                    step[t].logprob
+                    for t, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
+                ]
+            result.append(Completion(list(prompt), toks, lps, plps))
+        return result
+
+    def reset_prefix_cache(self) -> bool:
+        return bool(self.llm.reset_prefix_cache())
+
+    def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
+        return self.llm.collective_rpc(method, args=args)
+
+    def shutdown(self) -> None:
+        with contextlib.suppress(Exception):
+            self.llm.llm_engine.engine_core.shutdown()
