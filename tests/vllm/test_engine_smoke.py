@@ -28,7 +28,7 @@ def test_stock_vllm_generates_with_logprobs(tiny_dense_dir: str) -> None:
 
 
 def test_engine_start_failure_leaves_nothing(tmp_path) -> None:
-    with pytest.raises(Exception, match="config|No such|not a valid|does not appear"):
+    with pytest.raises(Exception, match=r"config|No such|not a valid|does not appear"):
         EngineProcess(EngineConfig(model=str(tmp_path / "missing")), start_timeout_s=120)
     # No orphan: the atexit registry is empty again
     from isoexec.vllm import engine_process
