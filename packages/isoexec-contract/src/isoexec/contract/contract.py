@@ -1,0 +1,606 @@
+"""The execution contract: what each side actually installed, as canonical, hashable bytes.
+
+The trainer and the engine each build a `Contract` from their live model after installation
+and exchange it (see `isoexec.contract.handshake`). Equal SHA-256 of the canonical bytes means
+both sides run the same op implementations under the same numerics-relevant facts.
+
+Canonical form (schema version 1)
+---------------------------------
+JSON, UTF-8, keys sorted at every level, no whitespace (`separators=(",", ":")`), non-ASCII
+kept as UTF-8 (not `\\u` escapes), **no floats anywhere** (floats are encoded as exact strings,
+e.g. `float.hex()`); integers, strings, booleans, null, arrays and objects only::
+
+    {"backend":   {"arch":..., "cuda":..., "device_kind":..., "threads":..., "torch":...,
+                   "triton":...},
+     "dtypes":    {"activations":..., "kv_cache":..., "logprobs":..., "params":...,
+                   "recurrent_state":..., "residual":...},
+     "model":     {"architecture":..., "config_digest":..., "layer_kinds":[...]},
+     "schema_version": 1,
+     "sites":     {"<site name>": {"backend":..., "impl_id":..., "op":..., "params":{...},
+                                   "source_fingerprint":..., "tp":..., "version":...}, ...}}
+
+Sites are a JSON object keyed by site name, so the bytes do not depend on the order in which
+a side happens to enumerate its modules (Megatron and vLLM walk their models differently).
+The in-memory `Contract.sites` keeps the order it was built in (model order); a contract read
+back from bytes is in `site_sort_key` order (numeric-aware, so `layers.2` precedes `layers.10`).
+
+Parallel layout: each site's `tp` is `"invariant"` when the site claims its result does not
+depend on the tensor-parallel degree, else the TP degree as a decimal string. A TP=4 trainer
+and a TP=1 engine whose every site claims invariance therefore hash equal, while a site without
+the claim pins the degree it ran at.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass, fields
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
+
+SCHEMA_VERSION = 1
+KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
+TP_INVARIANT = "invariant"
+
+_SITE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-/\[\]]*$")
+_HEX = re.compile(r"^[0-9a-f]+$")
+
+
+class ContractError(ValueError):
+    """A contract that cannot be built, read or trusted."""
+
+
+class SchemaVersionError(ContractError):
+    """The bytes declare a schema version this code does not know: refused, never guessed."""
+
+
+# --------------------------------------------------------------------------------------------
+# Types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """Which model: architecture, a digest of the numerics-relevant config, layer kinds.
+
+    `config_digest` should come from `config_digest(...)` over the config fields that change
+    bits (hidden size, eps, rope theta, head counts, …), not the whole config (paths, names).
+    """
+
+    architecture: str
+    config_digest: str
+    layer_kinds: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Dtypes that change bits. `None` means "not applicable" (e.g. no recurrent state)."""
+
+    params: str
+    activations: str
+    residual: str
+    kv_cache: str | None
+    recurrent_state: str | None
+    logprobs: str
+
+
+@dataclass(frozen=True)
+class BackendIdentity:
+    """The software/hardware under the ops: a CPU ISA or GPU arch changes kernels and bits.
+
+    `threads` is recorded only where a backend depends on it (canonical ops do not), else None.
+    `triton` only when a Triton kernel is installed, `cuda` only on CUDA devices.
+    """
+
+    torch: str
+    device_kind: str
+    arch: str
+    triton: str | None = None
+    cuda: str | None = None
+    threads: int | None = None
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place in the model where an op runs, and the impl actually installed there."""
+
+    name: str
+    impl: ImplInfo
+    tp: str = "1"  # "invariant" or the TP degree the site ran at
+
+    @property
+    def tp_invariant(self) -> bool:
+        return self.tp == TP_INVARIANT
+
+
+def site_sort_key(name: str) -> tuple[tuple[int, int | str], ...]:
+    """Numeric-aware order of site names (`layers.2` before `layers.10`); the order of loaded
+    contracts and of diffs when no model order is known."""
+    parts: list[tuple[int, int | str]] = []
+    for piece in re.split(r"(\d+)", name):
+        if piece == "":
+            continue
+        parts.append((0, int(piece)) if piece.isdigit() else (1, piece))
+    return tuple(parts)
+
+
+@dataclass(frozen=True, eq=False)
+class Contract:
+    """A frozen execution contract. Equality and `hash` are those of the canonical bytes."""
+
+    model: ModelIdentity
+    dtypes: Dtypes
+    backend: BackendIdentity
+    sites: tuple[Site, ...]
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # -- canonical form ---------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-ready structure (sites keyed by name; order is irrelevant to the bytes)."""
+        return {
+            "schema_version": self.schema_version,
+            "model": {
+                "architecture": self.model.architecture,
+                "config_digest": self.model.config_digest,
+                "layer_kinds": list(self.model.layer_kinds),
+            },
+            "dtypes": {
+                "params": self.dtypes.params,
+                "activations": self.dtypes.activations,
+                "residual": self.dtypes.residual,
+                "kv_cache": self.dtypes.kv_cache,
+                "recurrent_state": self.dtypes.recurrent_state,
+                "logprobs": self.dtypes.logprobs,
+            },
+            "backend": {
+                "torch": self.backend.torch,
+                "triton": self.backend.triton,
+                "cuda": self.backend.cuda,
+                "device_kind": self.backend.device_kind,
+                "arch": self.backend.arch,
+                "threads": self.backend.threads,
+            },
+            "sites": {
+                s.name: {
+                    "op": s.impl.op,
+                    "impl_id": s.impl.impl_id,
+                    "version": s.impl.version,
+                    "backend": s.impl.backend,
+                    "params": dict(s.impl.params),
+                    "source_fingerprint": s.impl.source_fingerprint,
+                    "tp": s.tp,
+                }
+                for s in self.sites
+            },
+        }
+
+    @cached_property
+    def _bytes(self) -> bytes:
+        return canonical_json(self.to_dict())
+
+    def to_bytes(self) -> bytes:
+        """Canonical bytes: identical for an identical contract on every machine."""
+        return self._bytes
+
+    @cached_property
+    def hash(self) -> str:
+        """Lower-case hex SHA-256 of the canonical bytes: the contract's identity."""
+        return hashlib.sha256(self._bytes).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Contract):
+            return NotImplemented
+        return self._bytes == other._bytes
+
+    def __hash__(self) -> int:
+        return hash(self._bytes)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    @staticmethod
+    def from_bytes(data: bytes, *, require_canonical: bool = False) -> Contract:
+        """Parse strictly: unknown fields, unknown schema versions, floats, NaN, duplicate keys
+        and wrong types are refused. With `require_canonical`, bytes that are not exactly the
+        canonical encoding are refused too (the handshake needs hash(bytes) == contract hash).
+        """
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise ContractError(f"contract must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ContractError(f"contract is not UTF-8: {e}") from None
+        try:
+            obj = json.loads(
+                text,
+                parse_float=_refuse_float,
+                parse_constant=_refuse_constant,
+                object_pairs_hook=_no_duplicate_keys,
+            )
+        except ContractError:
+            raise
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ContractError(f"contract is not valid JSON: {e}") from None
+        contract = Contract.from_dict(obj)
+        if require_canonical and contract.to_bytes() != data:
+            raise ContractError(
+                "contract bytes are not canonical (sorted keys, no whitespace, UTF-8, no floats)"
+            )
+        return contract
+
+    @staticmethod
+    def from_dict(obj: object) -> Contract:
+        """Build from a parsed JSON structure, refusing anything not in schema version 1."""
+        top = _obj(obj, "contract")
+        version = top.get("schema_version")
+        if type(version) is not int:
+            raise ContractError("contract.schema_version: missing or not an integer")
+        if version not in KNOWN_SCHEMA_VERSIONS:
+            raise SchemaVersionError(
+                f"unknown contract schema_version {version} "
+                f"(known: {', '.join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))})"
+            )
+        _exact_keys(top, {"schema_version", "model", "dtypes", "backend", "sites"}, "contract")
+        m = _obj(top["model"], "model")
+        _exact_keys(m, {"architecture", "config_digest", "layer_kinds"}, "model")
+        kinds = m["layer_kinds"]
+        if not isinstance(kinds, list):
+            raise ContractError("model.layer_kinds: expected a list of strings")
+        model = ModelIdentity(
+            _str(m["architecture"], "model.architecture"),
+            _str(m["config_digest"], "model.config_digest"),
+            tuple(_str(k, "model.layer_kinds[]") for k in kinds),
+        )
+        d = _obj(top["dtypes"], "dtypes")
+        _exact_keys(d, {f.name for f in fields(Dtypes)}, "dtypes")
+        dtypes = Dtypes(
+            params=_str(d["params"], "dtypes.params"),
+            activations=_str(d["activations"], "dtypes.activations"),
+            residual=_str(d["residual"], "dtypes.residual"),
+            kv_cache=_opt_str(d["kv_cache"], "dtypes.kv_cache"),
+            recurrent_state=_opt_str(d["recurrent_state"], "dtypes.recurrent_state"),
+            logprobs=_str(d["logprobs"], "dtypes.logprobs"),
+        )
+        b = _obj(top["backend"], "backend")
+        _exact_keys(b, {f.name for f in fields(BackendIdentity)}, "backend")
+        threads = b["threads"]
+        if threads is not None and type(threads) is not int:
+            raise ContractError("backend.threads: expected an integer or null")
+        backend = BackendIdentity(
+            torch=_str(b["torch"], "backend.torch"),
+            device_kind=_str(b["device_kind"], "backend.device_kind"),
+            arch=_str(b["arch"], "backend.arch"),
+            triton=_opt_str(b["triton"], "backend.triton"),
+            cuda=_opt_str(b["cuda"], "backend.cuda"),
+            threads=threads,
+        )
+        raw_sites = _obj(top["sites"], "sites")
+        sites: list[Site] = []
+        for name in sorted(raw_sites, key=site_sort_key):
+            where = f"sites[{name!r}]"
+            s = _obj(raw_sites[name], where)
+            _exact_keys(
+                s,
+                {"op", "impl_id", "version", "backend", "params", "source_fingerprint", "tp"},
+                where,
+            )
+            if type(s["version"]) is not int:
+                raise ContractError(f"{where}.version: expected an integer")
+            params = _obj(s["params"], f"{where}.params")
+            impl = ImplInfo(
+                op=_str(s["op"], f"{where}.op"),
+                impl_id=_str(s["impl_id"], f"{where}.impl_id"),
+                version=s["version"],
+                backend=_str(s["backend"], f"{where}.backend"),
+                params=tuple(
+                    sorted((k, _str(v, f"{where}.params[{k!r}]")) for k, v in params.items())
+                ),
+                source_fingerprint=_str(s["source_fingerprint"], f"{where}.source_fingerprint"),
+            )
+            sites.append(Site(name, impl, _str(s["tp"], f"{where}.tp")))
+        return Contract(model, dtypes, backend, tuple(sites), version)
+
+    # -- files -------------------------------------------------------------------------------
+
+    def save(self, path: str | Path) -> Path:
+        """Write the canonical bytes exactly (no trailing newline: `sha256sum` == `hash`)."""
+        p = Path(path)
+        p.write_bytes(self.to_bytes())
+        return p
+
+    @staticmethod
+    def load(path: str | Path, *, require_canonical: bool = False) -> Contract:
+        """Read a contract file (strict; pretty-printed JSON is accepted unless required)."""
+        return Contract.from_bytes(Path(path).read_bytes(), require_canonical=require_canonical)
+
+    # -- conveniences ------------------------------------------------------------------------
+
+    def site(self, name: str) -> Site:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+    @property
+    def site_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sites)
+
+    @property
+    def native_sites(self) -> tuple[str, ...]:
+        """Sites left to the framework's kernel: where bitwise equality is not engineered."""
+        return tuple(s.name for s in self.sites if s.impl.is_native)
+
+
+# --------------------------------------------------------------------------------------------
+# Building
+# --------------------------------------------------------------------------------------------
+
+
+class ContractBuilder:
+    """Collect sites in model order, then `build()` a frozen `Contract`.
+
+    `backend=None` detects the running backend at `build()` (Triton's version is included
+    when any site's impl backend starts with "triton"). `tp_size` is the degree this side runs
+    at; sites added with `tp_invariant=True` record `"invariant"` instead.
+    """
+
+    def __init__(
+        self,
+        model: ModelIdentity,
+        dtypes: Dtypes,
+        backend: BackendIdentity | None = None,
+        *,
+        tp_size: int = 1,
+    ) -> None:
+        if type(tp_size) is not int or tp_size < 1:
+            raise ContractError(f"tp_size must be a positive integer, got {tp_size!r}")
+        self.model = model
+        self.dtypes = dtypes
+        self.backend = backend
+        self.tp_size = tp_size
+        self._sites: dict[str, Site] = {}
+
+    def add_site(self, name: str, impl: ImplInfo, *, tp_invariant: bool = False) -> None:
+        if name in self._sites:
+            raise ContractError(f"site {name!r} added twice")
+        tp = TP_INVARIANT if tp_invariant else str(self.tp_size)
+        self._sites[name] = Site(name, impl, tp)
+
+    def build(self, *, expected_sites: Iterable[str] | None = None) -> Contract:
+        """Freeze. With `expected_sites`, a site nobody recorded (not even as native) is an
+        error: a side must never omit a site it left stock."""
+        if expected_sites is not None:
+            expected = list(expected_sites)
+            missing = [n for n in expected if n not in self._sites]
+            if missing:
+                shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
+                raise ContractError(
+                    f"{len(missing)} site(s) not recorded (record native ones with "
+                    f"ImplInfo.native): {shown}"
+                )
+        backend = self.backend
+        if backend is None:
+            from isoexec.contract.backend import detect_backend
+
+            uses_triton = any(s.impl.backend.startswith("triton") for s in self._sites.values())
+            backend = detect_backend(uses_triton=uses_triton)
+        return Contract(self.model, self.dtypes, backend, tuple(self._sites.values()))
+
+
+def build_contract(
+    *,
+    model: ModelIdentity,
+    dtypes: Dtypes,
+    sites: Mapping[str, ImplInfo] | Iterable[tuple[str, ImplInfo]],
+    backend: BackendIdentity | None = None,
+    tp_size: int = 1,
+    tp_invariant: bool | Collection[str] = False,
+    expected_sites: Iterable[str] | None = None,
+) -> Contract:
+    """One-call form of `ContractBuilder`: `sites` in model order; `tp_invariant` is True (every
+    site claims TP invariance), False, or the names of the sites that claim it."""
+    b = ContractBuilder(model, dtypes, backend, tp_size=tp_size)
+    pairs = list(sites.items() if isinstance(sites, Mapping) else sites)
+    names = {n for n, _ in pairs}
+    if not isinstance(tp_invariant, bool):
+        unknown = sorted(set(tp_invariant) - names, key=site_sort_key)
+        if unknown:
+            raise ContractError(f"tp_invariant names unknown sites: {', '.join(unknown)}")
+    for name, impl in pairs:
+        inv = tp_invariant if isinstance(tp_invariant, bool) else name in tp_invariant
+        b.add_site(name, impl, tp_invariant=inv)
+    return b.build(expected_sites=expected_sites)
+
+
+def config_digest(fields: Mapping[str, object]) -> str:
+    """SHA-256 (hex) of the numerics-relevant config fields, canonically encoded.
+
+    Floats become `float.hex()` strings (exact), so `1e-6` on both sides digests the same and
+    `1e-6` vs `1e-5` differs; nested mappings/lists are allowed.
+    """
+    return hashlib.sha256(canonical_json(_exactify(dict(fields)))).hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Canonical JSON
+# --------------------------------------------------------------------------------------------
+
+
+def canonical_json(obj: object) -> bytes:
+    """Sorted keys, no whitespace, UTF-8; refuses floats (anywhere) and non-string keys."""
+    _check_no_floats(obj, "$")
+    return json.dumps(
+        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
+    ).encode("utf-8")
+
+
+def _check_no_floats(obj: object, where: str) -> None:
+    if isinstance(obj, float):
+        raise ContractError(f"{where}: floats are not allowed in a contract (use exact strings)")
+    if isinstance(obj, Mapping):
+        for k, v in obj.items():
+            if not isinstance(k, str):
+                raise ContractError(f"{where}: non-string key {k!r}")
+            _check_no_floats(v, f"{where}.{k}")
+    elif isinstance(obj, list | tuple):
+        for i, v in enumerate(obj):
+            _check_no_floats(v, f"{where}[{i}]")
+    elif not (obj is None or isinstance(obj, str | int)):
+        raise ContractError(f"{where}: {type(obj).__name__} is not a JSON contract value")
+
+
+def _exactify(obj: object) -> object:
+    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
+        return obj
+    if isinstance(obj, float):
+        if math.isnan(obj):
+            return "nan"
+        return obj.hex()
+    if isinstance(obj, Mapping):
+        return {str(k): _exactify(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_exactify(v) for v in obj]
+    return str(obj)
+
+
+def _refuse_float(s: str) -> Any:
+    raise ContractError(f"float {s} in contract: floats are not allowed (use exact strings)")
+
+
+def _refuse_constant(s: str) -> Any:
+    raise ContractError(f"{s} in contract: not allowed")
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ContractError(f"duplicate key {k!r} in contract")
+        out[k] = v
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Validation
+# --------------------------------------------------------------------------------------------
+
+
+def _obj(v: object, where: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise ContractError(f"{where}: expected an object")
+    return v
+
+
+def _exact_keys(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ContractError(f"{where}: unknown field(s) {', '.join(unknown)}")
+    missing = sorted(allowed - set(d))
+    if missing:
+        raise ContractError(f"{where}: missing field(s) {', '.join(missing)}")
+
+
+def _str(v: object, where: str) -> str:
+    if not isinstance(v, str):
+        raise ContractError(f"{where}: expected a string, got {type(v).__name__}")
+    return v
+
+
+def _opt_str(v: object, where: str) -> str | None:
+    return None if v is None else _str(v, where)
+
+
+def _validate(c: Contract) -> None:
+    """Refuse contracts that could not be compared honestly (applies to built and loaded)."""
+    if type(c.schema_version) is not int or c.schema_version not in KNOWN_SCHEMA_VERSIONS:
+        raise SchemaVersionError(f"unknown contract schema_version {c.schema_version!r}")
+    checks: list[tuple[object, str, Callable[[object], bool]]] = [
+        (c.model.architecture, "model.architecture", _nonempty),
+        (c.model.config_digest, "model.config_digest", _nonempty),
+        (c.dtypes.params, "dtypes.params", _nonempty),
+        (c.dtypes.activations, "dtypes.activations", _nonempty),
+        (c.dtypes.residual, "dtypes.residual", _nonempty),
+        (c.dtypes.logprobs, "dtypes.logprobs", _nonempty),
+        (c.backend.torch, "backend.torch", _nonempty),
+        (c.backend.device_kind, "backend.device_kind", _nonempty),
+        (c.backend.arch, "backend.arch", _nonempty),
+    ]
+    for value, where, ok in checks:
+        if not ok(value):
+            raise ContractError(f"{where}: must be a non-empty string, got {value!r}")
+    if not isinstance(c.model.layer_kinds, tuple):
+        raise ContractError("model.layer_kinds: must be a tuple of strings")
+    if c.backend.threads is not None and (
+        type(c.backend.threads) is not int or c.backend.threads < 1
+    ):
+        raise ContractError("backend.threads: must be a positive integer or None")
+    if not isinstance(c.sites, tuple) or not c.sites:
+        raise ContractError("a contract needs at least one site (as a tuple of Site)")
+    seen: set[str] = set()
+    for s in c.sites:
+        if not isinstance(s, Site) or not isinstance(s.impl, ImplInfo):
+            raise ContractError(f"sites must be Site(name, ImplInfo, tp), got {s!r}")
+        if not isinstance(s.name, str) or not _SITE_NAME.match(s.name):
+            raise ContractError(f"invalid site name {s.name!r}")
+        if s.name in seen:
+            raise ContractError(f"duplicate site {s.name!r}")
+        seen.add(s.name)
+        i = s.impl
+        if not _nonempty(i.op) or not _nonempty(i.impl_id) or not _nonempty(i.backend):
+            raise ContractError(f"site {s.name!r}: op, impl_id and backend must be non-empty")
+        if i.impl_id.startswith(NATIVE_PREFIX) and i.impl_id == NATIVE_PREFIX:
+            raise ContractError(f"site {s.name!r}: native impl without a module class")
+        if type(i.version) is not int or i.version < 0:
+            raise ContractError(f"site {s.name!r}: version must be a non-negative integer")
+        if not isinstance(i.source_fingerprint, str) or (
+            i.source_fingerprint and not _HEX.match(i.source_fingerprint)
+        ):
+            raise ContractError(f"site {s.name!r}: source_fingerprint must be lower-case hex")
+        if not i.is_native and not i.source_fingerprint:
+            raise ContractError(
+                f"site {s.name!r}: impl {i.impl_id!r} has no source fingerprint (an edited "
+                "kernel could keep an old hash)"
+            )
+        keys = [k for k, _ in i.params]
+        if keys != sorted(set(keys)) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in i.params
+        ):
+            raise ContractError(
+                f"site {s.name!r}: params must be sorted unique (str, str) pairs "
+                "(use ImplInfo.make)"
+            )
+        if not (s.tp == TP_INVARIANT or (s.tp.isdigit() and s.tp[0] != "0")):
+            raise ContractError(f"site {s.name!r}: tp must be 'invariant' or a degree ≥ 1")
+
+
+def _nonempty(v: object) -> bool:
+    return isinstance(v, str) and v != ""
+
+
+__all__ = [
+    "KNOWN_SCHEMA_VERSIONS",
+    "SCHEMA_VERSION",
+    "TP_INVARIANT",
+    "BackendIdentity",
+    "Contract",
+    "ContractBuilder",
+    "ContractError",
+    "Dtypes",
+    "ModelIdentity",
+    "SchemaVersionError",
+    "Site",
+    "build_contract",
+    "canonical_json",
+    "config_digest",
+    "site_sort_key",
+]
