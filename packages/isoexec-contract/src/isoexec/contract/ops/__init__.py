@@ -1,0 +1,174 @@
+"""Canonical ops: the one implementation of every numerical op both sides call.
+
+Every output row is computed by a reduction order that depends only on that row's own
+inputs and its absolute position (see docs/ops.md). Each op describes itself with an
+`ImplInfo` (id, version, backend, parameters, source fingerprint) for the contract:
+`get_impl(op)` gives the canonical one, `get_impl(op, kv_tile=32)` a variant with other
+parameters (a different contract), and `REGISTRY` maps op name -> canonical `ImplInfo`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import MappingProxyType
+
+from ..impl import ImplInfo, source_fingerprint
+from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
+from .activation import silu_mul
+from .attention import attention_paged, attention_varlen, gather_paged_kv
+from .gdn import gdn_conv, gdn_recurrence
+from .gemm import (
+    linear,
+    linear_tp_invariant,
+    tp_leaf_partials,
+    tp_linear_from_shards,
+    tp_tree_sum,
+)
+from .logprobs import (
+    combine_leaf_stats,
+    log_softmax,
+    token_logprobs,
+    token_logprobs_vocab_parallel,
+    vocab_leaf_stats,
+)
+from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
+from .norm import gated_rms_norm, rms_norm
+from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+
+BACKEND = "torch"
+
+# op -> (impl_id, version, default params, functions whose source defines the bits)
+_SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object], ...]]] = {
+    "linear": (
+        "isoexec.linear.rowblock",
+        1,
+        {
+            "block_rows": gemm.DEFAULT_BLOCK_ROWS,
+            "accum": "fp32",
+            "cpu_fp32_gemm": "onednn-prepacked",
+            "bias": "after-rounding",
+        },
+        (gemm.linear, gemm._block_gemm, gemm._packed_weight, gemm._BlockLinear),
+    ),
+    "linear_tp": (
+        "isoexec.linear.tp_leaves",
+        1,
+        {"leaves": gemm.DEFAULT_TP_LEAVES, "block_rows": gemm.DEFAULT_BLOCK_ROWS},
+        (
+            gemm.tp_linear_from_shards,
+            gemm.tp_leaf_partials,
+            gemm.tp_tree_sum,
+            gemm._block_gemm,
+        ),
+    ),
+    "rms_norm": ("isoexec.rms_norm.fp32", 1, {"accum": "fp32"}, (norm._normalize, norm.rms_norm)),
+    "gated_rms_norm": (
+        "isoexec.gated_rms_norm.fp32",
+        1,
+        {"accum": "fp32"},
+        (norm._normalize, norm.gated_rms_norm),
+    ),
+    "rope": (
+        "isoexec.rope.neox_fp32",
+        1,
+        {"style": "neox", "table": "fp32"},
+        (rope.rope_inv_freq, rope.rope_cos_sin, rope.apply_rope),
+    ),
+    "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
+    "attention": (
+        "isoexec.attention.kvtile",
+        1,
+        {"kv_tile": attention.DEFAULT_KV_TILE, "softmax": "fp32-online", "cache": "bs-hkv-d"},
+        (
+            attention._attend,
+            attention.attention_varlen,
+            attention.attention_paged,
+            attention.gather_paged_kv,
+        ),
+    ),
+    "logprobs": (
+        "isoexec.logprobs.fp32",
+        1,
+        {"temperature": "fp32-true-div"},
+        (logprobs._tempered, logprobs.log_softmax, logprobs.token_logprobs),
+    ),
+    "logprobs_vocab_parallel": (
+        "isoexec.logprobs.vocab_leaves",
+        1,
+        {"leaves": logprobs.DEFAULT_VOCAB_LEAVES, "temperature": "fp32-true-div"},
+        (
+            logprobs._tempered,
+            logprobs.vocab_leaf_stats,
+            logprobs.combine_leaf_stats,
+            logprobs.token_logprobs_vocab_parallel,
+        ),
+    ),
+    "moe_router": (
+        "isoexec.moe_router.softmax_topk",
+        1,
+        {"softmax": "fp32", "ties": "lower-index"},
+        (moe.moe_router,),
+    ),
+    "moe_combine": (
+        "isoexec.moe_combine.ascending",
+        1,
+        {"order": "ascending-expert", "accum": "fp32", "block_rows": gemm.DEFAULT_BLOCK_ROWS},
+        (moe.moe_weighted_sum, moe.moe_experts, moe.moe_combine),
+    ),
+    "gdn_conv": ("isoexec.gdn_conv.shifted_sum", 1, {"accum": "fp32"}, (gdn.gdn_conv,)),
+    "gdn_recurrence": (
+        "isoexec.gdn_recurrence.token_serial",
+        1,
+        {"state": "fp32", "l2_eps": gdn.L2_EPS},
+        (gdn._l2norm, gdn.gdn_recurrence),
+    ),
+}
+
+_COMMON = (_pointwise.padded_length, _pointwise.pointwise)
+
+
+def get_impl(op: str, **params: object) -> ImplInfo:
+    """ImplInfo of the canonical `op`; keyword overrides (e.g. kv_tile=32) describe a
+    variant whose kernels were called with those parameters."""
+    if op not in _SPECS:
+        raise KeyError(f"unknown op {op!r}; known: {sorted(_SPECS)}")
+    impl_id, version, defaults, fns = _SPECS[op]
+    unknown = set(params) - set(defaults)
+    if unknown:
+        raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
+    merged = {**defaults, **params}
+    return ImplInfo.make(op, impl_id, version, BACKEND, merged, source_fingerprint(*fns, *_COMMON))
+
+
+REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})
+
+__all__ = [
+    "BACKEND",
+    "REGISTRY",
+    "apply_rope",
+    "attention_paged",
+    "attention_varlen",
+    "combine_leaf_stats",
+    "gated_rms_norm",
+    "gather_paged_kv",
+    "gdn_conv",
+    "gdn_recurrence",
+    "get_impl",
+    "linear",
+    "linear_tp_invariant",
+    "log_softmax",
+    "moe_combine",
+    "moe_experts",
+    "moe_router",
+    "moe_weighted_sum",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_inv_freq",
+    "silu_mul",
+    "token_logprobs",
+    "token_logprobs_vocab_parallel",
+    "tp_leaf_partials",
+    "tp_linear_from_shards",
+    "tp_tree_sum",
+    "vocab_leaf_stats",
+]

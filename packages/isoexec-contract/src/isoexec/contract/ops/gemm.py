@@ -1,0 +1,190 @@
+"""Canonical linear: fixed row blocks, one fixed-shape GEMM per block.
+
+Why: a GEMM's row result depends on M (the BLAS picks kernels by shape), so `F.linear`
+gives a token different bits alone and in a batch. A fixed-shape `[R, K] x [K, N]` GEMM is
+repeatable whatever the other rows hold and wherever the row sits in the block, so rows are
+cut into blocks of R (the last one zero-padded) and each block runs the same GEMM.
+
+On CPU the fp32 GEMM goes through oneDNN (prepacked weight), not MKL: MKL's sgemm gives
+different bits with 1 and 2 threads for R >= 16; oneDNN's does not (measured). bf16 uses
+`torch.mm`, which is oneDNN already. Accumulation is fp32 and the result is rounded once.
+
+The TP-invariant variant cuts K into G fixed leaves (each leaf an fp32 GEMM of the same
+shape) and sums them with a fixed binary tree, so TP=1, 2, 4 ranks holding G/TP leaves each
+produce the same bits after an all-gather of leaves (never a NCCL/gloo all-reduce).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+DEFAULT_BLOCK_ROWS = 32
+DEFAULT_TP_LEAVES = 8
+
+# id(weight) -> (weakref to weight, (version, data_ptr, block_rows), packed weight)
+_PACK_CACHE: dict[int, tuple[weakref.ref, tuple[int, int, int], torch.Tensor]] = {}
+
+
+def _onednn_available() -> bool:
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(
+        torch.ops.mkldnn, "_linear_pointwise"
+    )
+
+
+def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """oneDNN-prepacked fp32 weight, cached per (tensor identity, version, storage, R).
+
+    Packing costs about one weight copy; the cache makes decode steps not pay it. An
+    in-place update bumps `_version` and a new `.data` changes `data_ptr`: both repack.
+    """
+    stamp = (weight._version, weight.data_ptr(), block_rows)
+    hit = _PACK_CACHE.get(id(weight))
+    if hit is not None and hit[0]() is weight and hit[1] == stamp:
+        return hit[2]
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
+    key = id(weight)
+    ref = weakref.ref(weight, lambda _r, key=key: _PACK_CACHE.pop(key, None))
+    _PACK_CACHE[key] = (ref, stamp, packed)
+    return packed
+
+
+def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """y = x @ weight.T over rows in fixed blocks of `block_rows` (x 2-D, same dtype).
+
+    Every block is the same-shape GEMM; the last block is zero-padded to `block_rows`.
+    """
+    m = x.shape[0]
+    n = weight.shape[0]
+    r = block_rows
+    mp = -(-m // r) * r if m else 0
+    xp = x.contiguous() if mp == m else torch.nn.functional.pad(x, (0, 0, 0, mp - m))
+    out = torch.empty(mp, n, dtype=x.dtype, device=x.device)
+    if x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_available():
+        wp = _packed_weight(weight, r)
+        for i in range(0, mp, r):
+            out[i : i + r] = torch.ops.mkldnn._linear_pointwise(
+                xp[i : i + r], wp, None, "none", [None], ""
+            )
+    else:
+        wt = weight.t()
+        for i in range(0, mp, r):
+            torch.mm(xp[i : i + r], wt, out=out[i : i + r])
+    return out[:m]
+
+
+class _BlockLinear(torch.autograd.Function):
+    """Forward: canonical block GEMM. Backward: plain matmuls (correct, not bitwise)."""
+
+    @staticmethod
+    def forward(ctx, x2: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(x2, weight)
+        return _block_gemm(x2, weight, block_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x2, weight = ctx.saved_tensors
+        gx = grad.to(weight.dtype) @ weight if ctx.needs_input_grad[0] else None
+        gw = grad.t().to(x2.dtype) @ x2 if ctx.needs_input_grad[1] else None
+        return gx, gw, None
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """Row-invariant `x @ weight.T (+ bias)` for x [..., K], weight [N, K].
+
+    Bias (if any) is added after the GEMM's single rounding, in x's dtype, as a separate
+    elementwise add (so bf16 with bias rounds twice, identically on both sides).
+    """
+    if weight.dtype != x.dtype:
+        raise TypeError(f"linear: x {x.dtype} and weight {weight.dtype} differ")
+    lead = x.shape[:-1]
+    y = _BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, block_rows)
+    y = y.reshape(*lead, weight.shape[0])
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def tp_leaf_partials(
+    x_shard: torch.Tensor,
+    weight_shard: torch.Tensor,
+    *,
+    leaves: int,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """fp32 partial products of `leaves` equal K-leaves of one K-shard: [leaves, M, N].
+
+    A TP rank holding x[..., K/tp] and weight[N, K/tp] calls this with leaves = G // tp and
+    all-gathers the result along dim 0 (rank order); `tp_tree_sum` then gives TP-free bits.
+    """
+    x2 = x_shard.reshape(-1, x_shard.shape[-1]).float()
+    w = weight_shard.float()
+    k = x2.shape[1]
+    if k % leaves:
+        raise ValueError(f"K-shard {k} not divisible by {leaves} leaves")
+    kl = k // leaves
+    parts = [
+        _BlockLinear.apply(x2[:, i * kl : (i + 1) * kl], w[:, i * kl : (i + 1) * kl], block_rows)
+        for i in range(leaves)
+    ]
+    return torch.stack(parts)
+
+
+def tp_tree_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum [G, ...] leaves with a fixed binary tree: adjacent pairs, level by level."""
+    level = list(partials.unbind(0))
+    while len(level) > 1:
+        nxt = [level[i] + level[i + 1] for i in range(0, len(level) - 1, 2)]
+        if len(level) % 2:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
+
+
+def linear_tp_invariant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    leaves: int = DEFAULT_TP_LEAVES,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """TP-invariant linear: K in `leaves` fixed fp32 leaves + fixed tree, one rounding.
+
+    Equals, bit for bit, `tp_linear_from_shards` for any TP degree dividing `leaves`.
+    """
+    return tp_linear_from_shards(
+        list(x.chunk(1, dim=-1)), [weight], bias, leaves=leaves, block_rows=block_rows
+    )
+
+
+def tp_linear_from_shards(
+    x_shards: list[torch.Tensor],
+    weight_shards: list[torch.Tensor],
+    bias: torch.Tensor | None = None,
+    *,
+    leaves: int = DEFAULT_TP_LEAVES,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """Row-parallel linear from TP K-shards (rank order): gather leaves, tree-sum, round."""
+    tp = len(x_shards)
+    if leaves % tp:
+        raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
+    x0 = x_shards[0]
+    parts = torch.cat(
+        [
+            tp_leaf_partials(xs, ws, leaves=leaves // tp, block_rows=block_rows)
+            for xs, ws in zip(x_shards, weight_shards, strict=True)
+        ]
+    )
+    y = tp_tree_sum(parts)
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x0.dtype).reshape(*x0.shape[:-1], weight_shards[0].shape[0])
