@@ -1,1 +1,43 @@
-"""IsoExec trainer side: canonical ops installed into Megatron-core models."""
+"""IsoExec trainer side: canonical ops installed into Megatron-core models.
+
+Importing this package imports neither Megatron nor vLLM; Megatron is imported when a model is
+built, and CPU shims are applied only by `apply_cpu_shims()` / `megatron_parallel()`.
+"""
+
+from isoexec.megatron.cpu_shims import applied_cpu_shims, apply_cpu_shims
+from isoexec.megatron.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelArch,
+    UnsupportedConfigError,
+    load_hf_config,
+)
+from isoexec.megatron.model_builder import Submodules, block_spec, build_model
+from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
+from isoexec.megatron.scoring import score, token_logprobs, train_step
+from isoexec.megatron.weights import (
+    CheckpointMismatchError,
+    export_hf_weights,
+    load_hf_weights,
+    save_hf_safetensors,
+)
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "CheckpointMismatchError",
+    "ModelArch",
+    "ParallelInfo",
+    "Submodules",
+    "UnsupportedConfigError",
+    "applied_cpu_shims",
+    "apply_cpu_shims",
+    "block_spec",
+    "build_model",
+    "export_hf_weights",
+    "load_hf_config",
+    "load_hf_weights",
+    "megatron_parallel",
+    "save_hf_safetensors",
+    "score",
+    "token_logprobs",
+    "train_step",
+]

@@ -1,0 +1,335 @@
+"""Build a Megatron-core `GPTModel` whose forward pass is the HF architecture's, exactly.
+
+Two pieces of data decide the model:
+- `transformer_config(arch, ...)` → a `TransformerConfig` (sizes, GQA, norms, RoPE, routing);
+- `block_spec(arch, submodules)` → a `TransformerBlockSubmodules` (one `ModuleSpec` per layer:
+  dense layers get `MLP`, sparse layers get `MoELayer` with `SequentialMLP` experts).
+
+`Submodules` is the extension point for IsoExec: it names the class that fills every slot of a
+layer (linears, norms, core attention, experts). `NATIVE_SUBMODULES` is Megatron's own local
+(no-TE) implementation; the canonical ops will provide another `Submodules` with the same
+slots, selected by `build_model(..., isoexec=True)`. A new architecture (Qwen3-Next's GDN
+hybrid next) adds a `LayerSpecBuilder` to `_LAYER_SPEC_BUILDERS`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from isoexec.megatron.hf_config import (
+    SUPPORTED_ARCHITECTURES,
+    HFConfigSource,
+    ModelArch,
+    load_hf_config,
+)
+
+
+@dataclass(frozen=True)
+class Submodules:
+    """The class in each slot of a decoder layer. IsoExec substitutes canonical modules here.
+
+    Every field is a Megatron-compatible module class (same constructor and forward contract as
+    the native one it replaces), so the rest of the spec, and the weight names, stay the same.
+    """
+
+    norm: type  # input / pre-MLP / final RMSNorm (hidden_size)
+    qk_norm: type  # per-head RMSNorm on q and k (head_dim)
+    linear_qkv: type  # column-parallel
+    core_attention: type
+    linear_proj: type  # row-parallel
+    linear_fc1: type  # column-parallel, [gate; up]
+    linear_fc2: type  # row-parallel
+    expert_linear_fc1: type
+    expert_linear_fc2: type
+    experts: type  # container of the routed experts
+    router: type
+    name: str = "native"
+
+
+def native_submodules() -> Submodules:
+    """Megatron-core's local (no Transformer Engine, no apex) modules."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    return Submodules(
+        norm=WrappedTorchNorm,
+        qk_norm=WrappedTorchNorm,
+        linear_qkv=ColumnParallelLinear,
+        core_attention=DotProductAttention,
+        linear_proj=RowParallelLinear,
+        linear_fc1=ColumnParallelLinear,
+        linear_fc2=RowParallelLinear,
+        expert_linear_fc1=ColumnParallelLinear,
+        expert_linear_fc2=RowParallelLinear,
+        experts=SequentialMLP,
+        router=TopKRouter,
+        name="native",
+    )
+
+
+def isoexec_submodules() -> Submodules:
+    """The canonical IsoExec modules for every slot. Not written yet: refuses clearly."""
+    raise NotImplementedError(
+        "build_model(isoexec=True): the canonical IsoExec submodules (isoexec.contract.ops "
+        "adapters for linear, rms_norm, rope, attention, moe) are not implemented yet; build "
+        "with isoexec=False for the native Megatron path"
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# TransformerConfig
+# ------------------------------------------------------------------------------------------
+
+
+def transformer_config(arch: ModelArch, *, tp: int = 1, dtype: torch.dtype = torch.float32) -> Any:
+    """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
+
+    Fusions are off because they need CUDA/TE/apex and because IsoExec must know which kernel
+    runs at each site. Dropout follows the HF config (0 for Qwen3), so scoring is deterministic.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype} not supported (float32, bfloat16, float16)")
+    _check_tp(arch, tp)
+    kwargs: dict[str, Any] = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_kv_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.intermediate_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        qk_layernorm=arch.qk_norm,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=arch.attention_dropout,
+        tensor_model_parallel_size=tp,
+        sequence_parallel=False,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=True,
+        # No fused kernels: they need CUDA/TE/apex and would hide which kernel runs.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        cross_entropy_loss_fusion=False,
+        # HF softmaxes attention in fp32 and keeps the residual in the model dtype.
+        attention_softmax_in_fp32=True,
+        fp32_residual_connection=False,
+    )
+    if arch.is_moe:
+        assert arch.moe is not None
+        kwargs.update(
+            num_moe_experts=arch.moe.num_experts,
+            moe_router_topk=arch.moe.top_k,
+            moe_ffn_hidden_size=arch.moe.intermediate_size,
+            moe_layer_freq=[1 if m else 0 for m in arch.moe_layers],
+            moe_router_score_function="softmax",
+            # norm_topk_prob: topk over logits then softmax over the k == renormalised top-k
+            # probabilities; without it: softmax over all experts, then topk.
+            moe_router_pre_softmax=not arch.moe.norm_topk_prob,
+            moe_router_topk_scaling_factor=None,
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_z_loss_coeff=None,
+            moe_router_enable_expert_bias=False,
+            moe_router_dtype=None,  # like HF: router logits in the model dtype
+            moe_grouped_gemm=False,
+            # allgather: the alltoall dispatcher creates a torch.cuda.Stream at construction.
+            moe_token_dispatcher_type="allgather",
+            moe_shared_expert_intermediate_size=None,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def _check_tp(arch: ModelArch, tp: int) -> None:
+    if tp < 1:
+        raise ValueError(f"tp={tp} must be >= 1")
+    for what, n in (
+        ("num_attention_heads", arch.num_attention_heads),
+        ("num_key_value_heads", arch.num_kv_heads),
+        ("vocab_size", arch.vocab_size),
+        ("intermediate_size", arch.intermediate_size),
+    ):
+        if n % tp:
+            raise ValueError(f"tp={tp} does not divide {what}={n}")
+    if arch.moe is not None and arch.moe.intermediate_size % tp:
+        raise ValueError(f"tp={tp} does not divide moe_intermediate_size")
+
+
+# ------------------------------------------------------------------------------------------
+# Layer specs (data)
+# ------------------------------------------------------------------------------------------
+
+
+def _attention_spec(sub: Submodules) -> Any:
+    from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(
+        module=SelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=SelfAttentionSubmodules(
+            linear_qkv=sub.linear_qkv,
+            core_attention=sub.core_attention,
+            linear_proj=sub.linear_proj,
+            q_layernorm=sub.qk_norm,
+            k_layernorm=sub.qk_norm,
+        ),
+    )
+
+
+def _dense_mlp_spec(sub: Submodules) -> Any:
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(
+        module=MLP, submodules=MLPSubmodules(linear_fc1=sub.linear_fc1, linear_fc2=sub.linear_fc2)
+    )
+
+
+def _moe_spec(sub: Submodules) -> Any:
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    experts = ModuleSpec(
+        module=sub.experts,
+        submodules=MLPSubmodules(
+            linear_fc1=sub.expert_linear_fc1, linear_fc2=sub.expert_linear_fc2
+        ),
+    )
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(experts=experts, shared_experts=None, router=sub.router),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def qwen3_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
+    """Pre-norm decoder layer: RMSNorm → GQA attention with qk-norm + RoPE → RMSNorm → MLP/MoE."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    mlp = _moe_spec(sub) if arch.moe_layers[layer] else _dense_mlp_spec(sub)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=sub.norm,
+            self_attention=_attention_spec(sub),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=sub.norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+LayerSpecBuilder = Callable[[ModelArch, int, Submodules], Any]
+
+_LAYER_SPEC_BUILDERS: dict[str, LayerSpecBuilder] = {
+    "Qwen3ForCausalLM": qwen3_layer_spec,
+    "Qwen3MoeForCausalLM": qwen3_layer_spec,
+}
+
+
+def block_spec(arch: ModelArch, sub: Submodules | None = None) -> Any:
+    """`TransformerBlockSubmodules` with one layer spec per HF layer, plus the final norm."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    sub = sub if sub is not None else native_submodules()
+    builder = _LAYER_SPEC_BUILDERS.get(arch.architecture)
+    if builder is None:
+        raise ValueError(
+            f"unsupported architecture {arch.architecture!r}; supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return TransformerBlockSubmodules(
+        layer_specs=[builder(arch, i, sub) for i in range(arch.num_layers)],
+        layer_norm=sub.norm,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+
+
+def build_model(
+    hf_config: HFConfigSource | ModelArch,
+    *,
+    isoexec: bool = False,
+    tp: int = 1,
+    dtype: torch.dtype = torch.float32,
+) -> Any:
+    """A Megatron-core `GPTModel` with the HF model's architecture (weights: see `weights`).
+
+    Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
+    must equal `tp`. `isoexec=True` will install the canonical submodules; not available yet.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+
+    arch = hf_config if isinstance(hf_config, ModelArch) else load_hf_config(hf_config)
+    if isoexec:
+        sub = isoexec_submodules()
+    else:
+        sub = native_submodules()
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("build_model needs Megatron parallel_state: use megatron_parallel()")
+    if ps.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(
+            f"tp={tp} but parallel_state has TP={ps.get_tensor_model_parallel_world_size()}"
+        )
+    if not torch.cuda.is_available():
+        from isoexec.megatron.cpu_shims import apply_cpu_shims
+
+        apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
+
+    config = transformer_config(arch, tp=tp, dtype=dtype)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=block_spec(arch, sub),
+        vocab_size=arch.vocab_size,
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+    )
+    model.isoexec_arch = arch  # the facts it was built from, for weights/scoring/contract
+    return model
+
+
+__all__ = [
+    "Submodules",
+    "block_spec",
+    "build_model",
+    "isoexec_submodules",
+    "native_submodules",
+    "qwen3_layer_spec",
+    "transformer_config",
+]

@@ -1,0 +1,303 @@
+"""HF safetensors ⇄ Megatron `GPTModel` parameters: names and layouts, both ways, bit-exact.
+
+HF (canonical) names are the weight-sync currency: the engine loads them, and the weight
+fingerprint is computed over them. Every Megatron parameter maps to one or more HF tensors by a
+pure reshuffle (view/cat/split, no arithmetic), so HF → Megatron → HF is bit-exact:
+
+- `linear_qkv.weight` = per query group g: [q heads of g; k_g; v_g] (rows),
+- `linear_fc1.weight` = cat(gate_proj, up_proj) (rows), for the dense MLP and every expert,
+- experts: `mlp.experts.local_experts.{e}.linear_fc{1,2}` (SequentialMLP) ⇄
+  `mlp.experts.{e}.{gate,up,down}_proj`; router `mlp.router.weight` ⇄ `mlp.gate.weight`,
+- q/k norm, input/pre-MLP/final norm, embeddings, output layer (absent when tied).
+
+Only TP=1 is implemented; with TP>1 both directions refuse (they need sharding and a gather).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from isoexec.megatron.hf_config import ModelArch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+class CheckpointMismatchError(ValueError):
+    """The HF checkpoint does not fit the Megatron model (missing/unexpected keys, shapes)."""
+
+
+@dataclass(frozen=True)
+class ParamMapping:
+    """One Megatron parameter ⇄ its HF tensors, with the (pure reshuffle) layout transforms."""
+
+    megatron_name: str
+    hf_names: tuple[str, ...]
+    to_megatron: Callable[[list[torch.Tensor]], torch.Tensor]
+    to_hf: Callable[[torch.Tensor], list[torch.Tensor]]
+
+
+def _identity_in(ts: list[torch.Tensor]) -> torch.Tensor:
+    return ts[0]
+
+
+def _identity_out(t: torch.Tensor) -> list[torch.Tensor]:
+    return [t]
+
+
+def _glu_in(ts: list[torch.Tensor]) -> torch.Tensor:
+    gate, up = ts
+    return torch.cat([gate, up], dim=0)
+
+
+def _glu_out(t: torch.Tensor) -> list[torch.Tensor]:
+    if t.shape[0] % 2:
+        raise CheckpointMismatchError(f"fc1 weight with odd row count {tuple(t.shape)}")
+    gate, up = t.chunk(2, dim=0)
+    return [gate, up]
+
+
+def _qkv_fns(
+    arch: ModelArch,
+) -> tuple[
+    Callable[[list[torch.Tensor]], torch.Tensor], Callable[[torch.Tensor], list[torch.Tensor]]
+]:
+    g, d, hidden = arch.num_kv_heads, arch.head_dim, arch.hidden_size
+    qpg = arch.num_attention_heads // arch.num_kv_heads  # query heads per group
+
+    def to_megatron(ts: list[torch.Tensor]) -> torch.Tensor:
+        q, k, v = ts
+        per_group = [
+            q.reshape(g, qpg * d, hidden),
+            k.reshape(g, d, hidden),
+            v.reshape(g, d, hidden),
+        ]
+        return torch.cat(per_group, dim=1).reshape(g * (qpg + 2) * d, hidden)
+
+    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
+        grouped = t.reshape(g, (qpg + 2) * d, hidden)
+        q, k, v = grouped.split([qpg * d, d, d], dim=1)
+        return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
+
+    return to_megatron, to_hf
+
+
+def param_mappings(arch: ModelArch) -> list[ParamMapping]:
+    """Every Megatron parameter of a model built from `arch`, mapped to HF names (Qwen3 family)."""
+    if arch.architecture not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+        raise ValueError(f"no weight mapping for architecture {arch.architecture!r}")
+    qkv_in, qkv_out = _qkv_fns(arch)
+
+    def same(meg: str, hf: str) -> ParamMapping:
+        return ParamMapping(meg, (hf,), _identity_in, _identity_out)
+
+    maps = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    for i in range(arch.num_layers):
+        m, h = f"decoder.layers.{i}", f"model.layers.{i}"
+        maps += [
+            same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"),
+            ParamMapping(
+                f"{m}.self_attention.linear_qkv.weight",
+                tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv"),
+                qkv_in,
+                qkv_out,
+            ),
+            same(f"{m}.self_attention.q_layernorm.weight", f"{h}.self_attn.q_norm.weight"),
+            same(f"{m}.self_attention.k_layernorm.weight", f"{h}.self_attn.k_norm.weight"),
+            same(f"{m}.self_attention.linear_proj.weight", f"{h}.self_attn.o_proj.weight"),
+            same(f"{m}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight"),
+        ]
+        if arch.moe_layers[i]:
+            assert arch.moe is not None
+            maps.append(same(f"{m}.mlp.router.weight", f"{h}.mlp.gate.weight"))
+            for e in range(arch.moe.num_experts):
+                me, he = f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}"
+                maps += [
+                    ParamMapping(
+                        f"{me}.linear_fc1.weight",
+                        (f"{he}.gate_proj.weight", f"{he}.up_proj.weight"),
+                        _glu_in,
+                        _glu_out,
+                    ),
+                    same(f"{me}.linear_fc2.weight", f"{he}.down_proj.weight"),
+                ]
+        else:
+            maps += [
+                ParamMapping(
+                    f"{m}.mlp.linear_fc1.weight",
+                    (f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight"),
+                    _glu_in,
+                    _glu_out,
+                ),
+                same(f"{m}.mlp.linear_fc2.weight", f"{h}.mlp.down_proj.weight"),
+            ]
+    maps.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    if not arch.tie_word_embeddings:
+        maps.append(same("output_layer.weight", "lm_head.weight"))
+    return maps
+
+
+def _model_arch(model: torch.nn.Module) -> ModelArch:
+    arch = getattr(model, "isoexec_arch", None)
+    if not isinstance(arch, ModelArch):
+        raise TypeError("model was not built by isoexec.megatron.build_model (no isoexec_arch)")
+    return arch
+
+
+def _check_tp1(model: torch.nn.Module) -> None:
+    tp = model.config.tensor_model_parallel_size  # type: ignore[union-attr]
+    if tp != 1:
+        raise NotImplementedError(
+            f"HF weight load/export with TP={tp}: sharding (load) and gathering (export) of "
+            "column/row-parallel weights is not implemented yet; only TP=1"
+        )
+
+
+def _checked_mappings(
+    model: torch.nn.Module,
+) -> tuple[list[ParamMapping], dict[str, torch.nn.Parameter]]:
+    """The mappings, verified to cover the model's parameters exactly (no more, no less)."""
+    arch = _model_arch(model)
+    _check_tp1(model)
+    maps = param_mappings(arch)
+    params = dict(model.named_parameters())
+    mapped = {m.megatron_name for m in maps}
+    if mapped != set(params):
+        raise RuntimeError(
+            "weight mapping out of sync with the model: unmapped Megatron params "
+            f"{sorted(set(params) - mapped)}, mapped but absent {sorted(mapped - set(params))}"
+        )
+    return maps, params
+
+
+# ------------------------------------------------------------------------------------------
+# Reading HF checkpoints
+# ------------------------------------------------------------------------------------------
+
+
+def _safetensors_files(ckpt_dir: Path) -> list[Path]:
+    index = ckpt_dir / "model.safetensors.index.json"
+    if index.is_file():
+        with index.open() as f:
+            weight_map: Mapping[str, str] = json.load(f)["weight_map"]
+        return [ckpt_dir / name for name in sorted(set(weight_map.values()))]
+    single = ckpt_dir / "model.safetensors"
+    if single.is_file():
+        return [single]
+    files = sorted(ckpt_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {ckpt_dir}")
+    return files
+
+
+def read_hf_state_dict(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """All tensors of an HF safetensors checkpoint dir (single file or sharded with an index)."""
+    out: dict[str, torch.Tensor] = {}
+    for path in _safetensors_files(Path(ckpt_dir)):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                if key in out:
+                    raise CheckpointMismatchError(f"tensor {key!r} appears in two shards")
+                out[key] = f.get_tensor(key)
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# HF → Megatron
+# ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def load_hf_weights(
+    model: torch.nn.Module, source: str | os.PathLike[str] | Mapping[str, torch.Tensor]
+) -> None:
+    """Copy an HF checkpoint (dir written by `save_pretrained`, or a state dict) into `model`.
+
+    Refuses (CheckpointMismatchError, listing them) missing keys, unexpected keys and shape
+    mismatches before touching any parameter. Tensors are cast to the parameter dtype (exact
+    when the checkpoint dtype is the model's, or narrower). For tied embeddings a stored
+    `lm_head.weight` is accepted only if it equals `model.embed_tokens.weight`.
+    """
+    maps, params = _checked_mappings(model)
+    arch = _model_arch(model)
+    hf = dict(source) if isinstance(source, Mapping) else read_hf_state_dict(source)
+
+    if arch.tie_word_embeddings and "lm_head.weight" in hf:
+        lm_head = hf.pop("lm_head.weight")
+        embed = hf.get("model.embed_tokens.weight")
+        if embed is None or not torch.equal(lm_head, embed):
+            raise CheckpointMismatchError(
+                "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+            )
+
+    expected = {name for m in maps for name in m.hf_names}
+    missing, unexpected = sorted(expected - set(hf)), sorted(set(hf) - expected)
+    if missing or unexpected:
+        raise CheckpointMismatchError(
+            f"HF checkpoint does not match {arch.architecture}: "
+            f"missing {missing[:20]}{'...' if len(missing) > 20 else ''} ({len(missing)}), "
+            f"unexpected {unexpected[:20]}{'...' if len(unexpected) > 20 else ''} "
+            f"({len(unexpected)})"
+        )
+
+    # Shapes first, for every tensor: the expected HF shapes are the model's own export shapes.
+    bad = []
+    for m in maps:
+        for name, ref in zip(m.hf_names, m.to_hf(params[m.megatron_name]), strict=True):
+            if tuple(hf[name].shape) != tuple(ref.shape):
+                bad.append(f"{name}: checkpoint {tuple(hf[name].shape)}, model {tuple(ref.shape)}")
+    if bad:
+        raise CheckpointMismatchError("shape mismatches: " + "; ".join(bad))
+
+    for m in maps:
+        p = params[m.megatron_name]
+        value = m.to_megatron([hf[n] for n in m.hf_names])
+        if value.shape != p.shape:  # guarded above; a wrong transform must not pass silently
+            raise RuntimeError(f"{m.megatron_name}: converted {tuple(value.shape)} != {p.shape}")
+        p.copy_(value.to(dtype=p.dtype))
+
+
+# ------------------------------------------------------------------------------------------
+# Megatron → HF
+# ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def export_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for every weight, in HF names and layouts (for weight sync).
+
+    Tensors are fresh contiguous copies (they do not alias the parameters, so an optimizer step
+    cannot change what was already handed out). A tied output layer is not yielded, as HF's
+    `save_pretrained` omits it.
+    """
+    maps, params = _checked_mappings(model)
+    for m in maps:
+        for name, t in zip(m.hf_names, m.to_hf(params[m.megatron_name].detach()), strict=True):
+            yield name, t.contiguous().clone()
+
+
+def save_hf_safetensors(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """Write the exported weights to one safetensors file (e.g. `<dir>/model.safetensors`)."""
+    save_file(dict(export_hf_weights(model)), str(path), metadata={"format": "pt"})
+
+
+def hf_weight_names(model: torch.nn.Module) -> list[str]:
+    """The HF names `export_hf_weights` yields, in order, without copying any tensor."""
+    maps, _ = _checked_mappings(model)
+    return [n for m in maps for n in m.hf_names]
+
+
+__all__: list[str] = [
+    "CheckpointMismatchError",
+    "ParamMapping",
+    "export_hf_weights",
+    "hf_weight_names",
+    "load_hf_weights",
+    "param_mappings",
+    "read_hf_state_dict",
+    "save_hf_safetensors",
+]
