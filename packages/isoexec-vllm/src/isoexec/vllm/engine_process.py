@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 _LIVE_GROUPS: set[int] = set()
+WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 
 
 @dataclass(frozen=True)
@@ -98,7 +99,13 @@ class EngineProcess:
         if not self._proc.is_alive():
             raise EngineError(f"engine process {self.pid} is not running")
         self._conn.send((method, args))
-        ok, payload = self._conn.recv()
+        try:
+            ok, payload = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineError(
+                f"engine process died during {method!r} (exit code {self._proc.exitcode})"
+            ) from None
         if not ok:
             raise EngineError(payload)
         return payload
@@ -106,7 +113,13 @@ class EngineProcess:
     def _expect_ready(self, timeout_s: float) -> None:
         if not self._conn.poll(timeout_s):
             raise EngineError(f"engine did not start within {timeout_s:.0f} s")
-        ok, payload = self._conn.recv()
+        try:
+            ok, payload = self._conn.recv()
+        except EOFError:
+            self._proc.join(5)
+            raise EngineError(
+                f"engine process exited during start (exit code {self._proc.exitcode})"
+            ) from None
         if not ok:
             raise EngineError(payload)
 
@@ -195,6 +208,7 @@ class _Handler:
             "enable_prefix_caching": config.enable_prefix_caching,
             "seed": config.seed,
             "logprobs_mode": config.logprobs_mode,
+            "worker_extension_cls": WORKER_EXTENSION,
         }
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
@@ -237,6 +251,10 @@ class _Handler:
                 ]
             result.append(Completion(list(prompt), toks, lps, plps))
         return result
+
+    def sites(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """What worker 0 runs at every site (see `readback`)."""
+        return self.llm.collective_rpc("isoexec_sites")[0]
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

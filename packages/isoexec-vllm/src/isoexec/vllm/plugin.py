@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def register() -> None:
-    """Install IsoExec into this vLLM process when `ISOEXEC=1`; do nothing otherwise."""
+    """Install IsoExec into this vLLM process when `ISOEXEC=1`; leave vLLM untouched otherwise."""
     from isoexec.contract.switch import isoexec_enabled
 
     if not isoexec_enabled():

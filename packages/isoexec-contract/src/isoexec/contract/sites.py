@@ -1,0 +1,122 @@
+"""Framework-neutral op sites: the names both sides use for the places where an op runs.
+
+The site list of a model is derived from its Hugging Face config alone, so trainer and engine
+agree on it without talking; each side maps its own module names onto these names and must
+cover every one (a missing site is an installation error, never a silent omission).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class Site:
+    name: str  # e.g. "layers.3.self_attn.core"
+    op: str  # e.g. "attention"
+
+
+class UnsupportedModelError(ValueError):
+    """The model (architecture or a config feature) has no canonical installation."""
+
+
+def architecture(hf_config: Mapping[str, Any]) -> str:
+    archs = hf_config.get("architectures") or []
+    if len(archs) != 1:
+        raise UnsupportedModelError(f"config names architectures {archs!r}; expected exactly one")
+    arch = archs[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported; "
+            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    return arch
+
+
+def layer_kinds(hf_config: Mapping[str, Any]) -> list[str]:
+    """Per layer: 'attention' or 'linear_attention' (GDN), from the HF config."""
+    n = int(hf_config["num_hidden_layers"])
+    types = hf_config.get("layer_types")
+    if architecture(hf_config) != "Qwen3NextForCausalLM":
+        return ["attention"] * n
+    if not types or len(types) != n:
+        raise UnsupportedModelError("Qwen3-Next config needs layer_types for every layer")
+    kinds = []
+    for t in types:
+        if t == "full_attention":
+            kinds.append("attention")
+        elif t == "linear_attention":
+            kinds.append("linear_attention")
+        else:
+            raise UnsupportedModelError(f"layer type {t!r} is not supported")
+    return kinds
+
+
+def mlp_kinds(hf_config: Mapping[str, Any]) -> list[str]:
+    """Per layer: 'dense', 'moe' or 'moe_shared' (MoE with a gated shared expert)."""
+    arch = architecture(hf_config)
+    n = int(hf_config["num_hidden_layers"])
+    if arch == "Qwen3ForCausalLM":
+        return ["dense"] * n
+    step = int(hf_config.get("decoder_sparse_step", 1))
+    mlp_only = set(hf_config.get("mlp_only_layers") or [])
+    moe = "moe_shared" if arch == "Qwen3NextForCausalLM" else "moe"
+    experts = num_experts(hf_config)
+    return [
+        moe if i not in mlp_only and experts > 0 and (i + 1) % step == 0 else "dense"
+        for i in range(n)
+    ]
+
+
+def num_experts(hf_config: Mapping[str, Any]) -> int:
+    """transformers 5 writes `num_local_experts` for Qwen3-MoE, older ones `num_experts`."""
+    for key in ("num_experts", "num_local_experts"):
+        if hf_config.get(key) is not None:
+            return int(hf_config[key])
+    return 0
+
+
+def model_sites(hf_config: Mapping[str, Any]) -> list[Site]:
+    """Every op site of the model, in execution order."""
+    sites: list[Site] = []
+    add = sites.append
+    for i, (kind, mlp) in enumerate(zip(layer_kinds(hf_config), mlp_kinds(hf_config), strict=True)):
+        p = f"layers.{i}"
+        add(Site(f"{p}.input_norm", "rms_norm"))
+        if kind == "attention":
+            a = f"{p}.self_attn"
+            add(Site(f"{a}.qkv_proj", "linear"))
+            add(Site(f"{a}.q_norm", "rms_norm"))
+            add(Site(f"{a}.k_norm", "rms_norm"))
+            add(Site(f"{a}.rope", "rope"))
+            add(Site(f"{a}.core", "attention"))
+            add(Site(f"{a}.o_proj", "linear"))
+        else:
+            g = f"{p}.linear_attn"
+            add(Site(f"{g}.in_proj_qkvz", "linear"))
+            add(Site(f"{g}.in_proj_ba", "linear"))
+            add(Site(f"{g}.conv", "gdn_conv"))
+            add(Site(f"{g}.recurrence", "gdn_recurrence"))
+            add(Site(f"{g}.norm", "gated_rms_norm"))
+            add(Site(f"{g}.out_proj", "linear"))
+        add(Site(f"{p}.post_attention_norm", "rms_norm"))
+        m = f"{p}.mlp"
+        if mlp == "dense":
+            add(Site(f"{m}.gate_up_proj", "linear"))
+            add(Site(f"{m}.act", "silu_mul"))
+            add(Site(f"{m}.down_proj", "linear"))
+        else:
+            add(Site(f"{m}.router", "moe_router"))
+            add(Site(f"{m}.experts", "moe_combine"))
+    add(Site("final_norm", "rms_norm"))
+    add(Site("lm_head", "linear"))
+    add(Site("logprobs", "logprobs"))
+    return sites

@@ -1,0 +1,121 @@
+"""The CPU attention backend with the canonical paged attention.
+
+Registered over vLLM's `CPU_ATTN` with `register_backend`. The KV cache keeps vLLM's tensor
+shape `[num_blocks, kv_heads, block_size, 2 * head_dim]` but this backend owns what is inside:
+row (block, head, slot) holds `K[tok] | V[tok]` verbatim. Both the write
+(`do_kv_cache_update`) and the read are ours, so the layout cannot drift with the CPU ISA
+vLLM would pick (its `vec`/`amx` layouts differ), the dtype or the vLLM version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.layers import UnsupportedSiteError
+
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
+
+
+def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(K, V) views `[num_blocks, block_size, kv_heads, head_dim]` of IsoExec's cache layout."""
+    nb, h, bs, two_d = kv_cache.shape
+    kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
+    return kv[:, :, :, 0].permute(0, 2, 1, 3), kv[:, :, :, 1].permute(0, 2, 1, 3)
+
+
+def write_cache(
+    kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Store key/value `[T, kv_heads, head_dim]` at `slot = block * block_size + offset`."""
+    nb, h, bs, two_d = kv_cache.shape
+    kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
+    t = slot_mapping.shape[0]
+    slots = slot_mapping.long()
+    valid = slots >= 0  # padded tokens carry slot -1
+    if not bool(valid.all()):
+        slots, key, value = slots[valid], key[:t][valid], value[:t][valid]
+    blk, off = slots // bs, slots % bs
+    kv[blk, :, off, 0] = key[: slots.shape[0]].to(kv.dtype)
+    kv[blk, :, off, 1] = value[: slots.shape[0]].to(kv.dtype)
+
+
+class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
+    isoexec_impl: ImplInfo = ops.get_impl("attention")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        problems = []
+        if self.attn_type != AttentionType.DECODER:
+            problems.append(f"attention type {self.attn_type}")
+        if self.alibi_slopes is not None:
+            problems.append("ALiBi")
+        if self.sliding_window != -1:
+            problems.append("sliding window")
+        if self.logits_soft_cap:
+            problems.append("logits soft cap")
+        if self.sinks is not None:
+            problems.append("attention sinks")
+        if self.is_fp8_kv_cache:
+            problems.append("fp8 KV cache")
+        if problems:
+            raise UnsupportedSiteError(
+                "canonical attention does not support: " + ", ".join(problems)
+            )
+
+    def do_kv_cache_update(
+        self,
+        layer: torch.nn.Module,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_cache(kv_cache, key, value, slot_mapping)
+
+    def forward(
+        self,
+        layer: Any,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        attn_metadata: Any,
+        output: torch.Tensor,
+        output_scale: torch.Tensor | None = None,
+        output_block_scale: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise UnsupportedSiteError("fused output quantization is not canonical")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
+            raise UnsupportedSiteError("canonical attention is causal decoder attention only")
+        n = attn_metadata.num_actual_tokens
+        k_cache, v_cache = cache_views(kv_cache)
+        out = ops.attention_paged(
+            query[:n],
+            k_cache,
+            v_cache,
+            attn_metadata.block_table,
+            attn_metadata.seq_lens,
+            attn_metadata.query_start_loc,
+            scale=self.scale,
+        )
+        output[:n] = out.reshape(output[:n].shape).to(output.dtype)
+        return output
+
+
+class IsoCPUAttentionBackend(CPUAttentionBackend):
+    @staticmethod
+    def get_impl_cls() -> type[IsoCPUAttentionImpl]:
+        return IsoCPUAttentionImpl
+
+
+def register_attention() -> None:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CPU_ATTN, f"{__name__}.{IsoCPUAttentionBackend.__name__}")

@@ -1,0 +1,28 @@
+"""Install IsoExec into this vLLM process (called by the plugin entry point when ISOEXEC=1)."""
+
+from __future__ import annotations
+
+_INSTALLED = False
+
+
+def install_plugin() -> None:
+    """Register every canonical override with vLLM, once per process.
+
+    Runs before any model is built (vLLM loads general plugins first in the main, EngineCore
+    and worker processes), which is when `register_oot` must happen.
+    """
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from isoexec.vllm.attention import register_attention
+    from isoexec.vllm.layers import register_layers
+    from isoexec.vllm.sampler import install_sampler
+
+    register_layers()
+    register_attention()
+    install_sampler()
+    _INSTALLED = True
+
+
+def is_installed() -> bool:
+    return _INSTALLED

@@ -1,0 +1,179 @@
+"""vLLM layer classes whose numerics are the canonical ops.
+
+Installed through vLLM's own out-of-tree registration (`CustomOp.register_oot`,
+`PluggableLayer.register_oot`): vLLM instantiates these classes wherever a model asks for the
+stock one. Each instance carries `isoexec_impl`, the `ImplInfo` of what it runs; the contract
+is read back from those attributes, never from intentions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo
+
+from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    UnquantizedLinearMethod,
+)
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    UnquantizedEmbeddingMethod,
+    VocabParallelEmbedding,
+)
+
+
+class UnsupportedSiteError(RuntimeError):
+    """A layer asked for something the canonical ops cannot express: refuse, never fall back."""
+
+
+# ---- norms, rope, activation -----------------------------------------------------------------
+class IsoRMSNorm(RMSNorm):
+    isoexec_impl: ImplInfo = ops.get_impl("rms_norm")
+
+    def dispatch_forward(self, compile_native: bool) -> Any:
+        return self._canonical
+
+    def _canonical(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.variance_size_override is not None:
+            raise UnsupportedSiteError("RMSNorm with var_hidden_size is not supported")
+        return ops.rms_norm(x, self.weight, self.variance_epsilon, residual=residual)
+
+
+class IsoGemmaRMSNorm(GemmaRMSNorm):
+    """Zero-centred norm (`x * (1 + w)`), as Qwen3-Next uses everywhere."""
+
+    isoexec_impl: ImplInfo = ops.get_impl("rms_norm")
+
+    def dispatch_forward(self, compile_native: bool) -> Any:
+        return self._canonical
+
+    def _canonical(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        return ops.rms_norm(
+            x, self.weight, self.variance_epsilon, zero_centered=True, residual=residual
+        )
+
+
+class IsoRotaryEmbedding(RotaryEmbedding):
+    isoexec_impl: ImplInfo = ops.get_impl("rope")
+
+    def dispatch_forward(self, compile_native: bool) -> Any:
+        return self._canonical
+
+    def _canonical(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.is_neox_style:
+            raise UnsupportedSiteError("only neox-style (rotate-half) RoPE is canonical")
+        cos, sin = ops.rope_cos_sin(positions.reshape(-1), self.rotary_dim, float(self.base))
+        t = cos.shape[0]
+        q = ops.apply_rope(query.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
+        q = q.reshape(query.shape)
+        k = None
+        if key is not None:
+            k = ops.apply_rope(key.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
+            k = k.reshape(key.shape)
+        return q, k
+
+
+class IsoSiluAndMul(SiluAndMul):
+    isoexec_impl: ImplInfo = ops.get_impl("silu_mul")
+
+    def dispatch_forward(self, compile_native: bool) -> Any:
+        return ops.silu_mul
+
+
+# ---- linear layers and the lm head ----------------------------------------------------------
+class CanonicalLinearMethod(UnquantizedLinearMethod):
+    """Unquantized linear whose GEMM is the canonical block linear.
+
+    Keeps the plain weight: the stock CPU `process_weights_after_loading` repacks it for
+    oneDNN and empties `layer.weight`, which the canonical op (and weight sync) needs.
+    """
+
+    isoexec_impl: ImplInfo = ops.get_impl("linear")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return ops.linear(x, layer.weight, bias)
+
+
+class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
+    """Embedding lookup stays exact; the logits GEMM (`apply`) is the canonical linear."""
+
+    isoexec_impl: ImplInfo = ops.get_impl("linear")
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        return None
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return ops.linear(x, layer.weight, bias)
+
+
+def _with_canonical_linear(base: type) -> type:
+    """A subclass of a vLLM linear layer whose quant method is the canonical one."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        if type(self.quant_method) is not UnquantizedLinearMethod:
+            raise UnsupportedSiteError(
+                f"{base.__name__} {getattr(self, 'prefix', '')!r}: quantization "
+                f"{type(self.quant_method).__name__} has no canonical implementation"
+            )
+        self.quant_method = CanonicalLinearMethod()
+
+    return type(f"Iso{base.__name__}", (base,), {"__init__": __init__})
+
+
+def _with_canonical_lm_head(base: type) -> type:
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        base.__init__(self, *args, **kwargs)
+        if type(self.quant_method) is not UnquantizedEmbeddingMethod:
+            raise UnsupportedSiteError(
+                f"{base.__name__}: quantization {type(self.quant_method).__name__} "
+                "has no canonical implementation"
+            )
+        self.quant_method = CanonicalLMHeadMethod()
+
+    return type(f"Iso{base.__name__}", (base,), {"__init__": __init__})
+
+
+LINEAR_CLASSES = (
+    ReplicatedLinear,
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+
+
+def register_layers() -> None:
+    """Register every override with vLLM. Must run before the model is constructed."""
+    CustomOp.register_oot(name="RMSNorm")(IsoRMSNorm)
+    CustomOp.register_oot(name="GemmaRMSNorm")(IsoGemmaRMSNorm)
+    CustomOp.register_oot(name="RotaryEmbedding")(IsoRotaryEmbedding)
+    CustomOp.register_oot(name="SiluAndMul")(IsoSiluAndMul)
+    for cls in LINEAR_CLASSES:
+        PluggableLayer.register_oot(name=cls.__name__)(_with_canonical_linear(cls))
+    for cls in (VocabParallelEmbedding, ParallelLMHead):
+        PluggableLayer.register_oot(name=cls.__name__)(_with_canonical_lm_head(cls))

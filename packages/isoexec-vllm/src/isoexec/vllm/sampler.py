@@ -1,0 +1,80 @@
+"""The sampler whose returned logprobs are the canonical `logprobs` op.
+
+IsoExec returns the logprobs of the distribution actually sampled from (vLLM's
+`processed_logprobs`: logits / temperature, fp32 log-softmax over the full vocab), which is
+what a PPO ratio needs; the trainer scores with the same op and the same temperature.
+Top-k / top-p would mask the distribution in a way the trainer does not reproduce: refused.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.layers import UnsupportedSiteError
+
+from vllm.v1.sample.sampler import Sampler
+
+LOGPROBS_MODE = "processed_logprobs"
+_SAMPLING_EPS = 1e-5  # vLLM's: below it a request is greedy and its logits are not tempered
+
+
+def canonical_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+    """Full fp32 log-softmax rows, each at its request's temperature (greedy rows: T=1)."""
+    if temperature is None:
+        return ops.log_softmax(logits)
+    temps = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature).float().cpu()
+    out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    for t in torch.unique(temps).tolist():
+        rows = (temps == t).nonzero().reshape(-1).to(logits.device)
+        out[rows] = ops.log_softmax(logits[rows], temperature=t)
+    return out
+
+
+class IsoSampler(Sampler):
+    isoexec_impl: ImplInfo = ops.get_impl("logprobs")
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.logprobs_mode != LOGPROBS_MODE:
+            raise UnsupportedSiteError(
+                f"IsoExec returns {LOGPROBS_MODE!r} (the sampled distribution); the engine "
+                f"was started with logprobs_mode={self.logprobs_mode!r}"
+            )
+
+    @staticmethod
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        """Raw (T=1) logprobs, used by vLLM for prompt logprobs."""
+        return ops.log_softmax(logits)
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        sampling_metadata: Any,
+        logprobs_mode_override: Any = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if logprobs_mode_override not in (None, LOGPROBS_MODE):
+            raise UnsupportedSiteError(f"logprobs mode override {logprobs_mode_override!r}")
+        if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
+            raise UnsupportedSiteError("top-k / top-p sampling is not supported under IsoExec")
+        wanted = sampling_metadata.max_num_logprobs is not None or bool(
+            sampling_metadata.logprob_token_ids
+        )
+        # Before vLLM's sampling, which divides the logits by the temperature in place.
+        processed = canonical_logprobs(logits, sampling_metadata.temperature) if wanted else None
+        sampled, _ = super().sample(logits, sampling_metadata)
+        return sampled, processed
+
+
+def install_sampler() -> None:
+    """Make vLLM's model runner build `IsoSampler`.
+
+    vLLM has no extension point for the sampler, so this rebinds the one name the model
+    runner constructs it through (`vllm.v1.worker.gpu_model_runner.Sampler`, also the base
+    of the CPU runner). It runs in the worker process before the runner exists.
+    """
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    runner.Sampler = IsoSampler  # type: ignore[misc]
