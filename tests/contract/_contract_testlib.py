@@ -53,8 +53,9 @@ def site_impls(n_layers: int = 2, *, fc1_version: dict[int, int] | None = None) 
         )
         sites[f"{p}.self_attn.o_proj"] = linear()
         sites[f"{p}.mlp.fc1"] = linear(fc1_version.get(i, 3))
-        sites[f"{p}.mlp.act"] = ImplInfo.make("silu_mul", "isoexec.silu_mul", 1, "torch-cpu",
-                                              {"pad": 64}, FP)
+        sites[f"{p}.mlp.act"] = ImplInfo.make(
+            "silu_mul", "isoexec.silu_mul", 1, "torch-cpu", {"pad": 64}, FP
+        )
         sites[f"{p}.mlp.fc2"] = linear()
     sites["norm"] = ImplInfo.make("rms_norm", "isoexec.rms_norm", 1, "torch-cpu", {"eps": 1e-6}, FP)
     sites["lm_head"] = linear()
@@ -64,8 +65,9 @@ def site_impls(n_layers: int = 2, *, fc1_version: dict[int, int] | None = None) 
 
 def make_contract(n_layers: int = 2, **kw: object) -> Contract:
     fc1 = kw.pop("fc1_version", None)
-    model = kw.pop("model", ModelIdentity(MODEL.architecture, MODEL.config_digest,
-                                          ("attention",) * n_layers))
+    model = kw.pop(
+        "model", ModelIdentity(MODEL.architecture, MODEL.config_digest, ("attention",) * n_layers)
+    )
     return build_contract(
         model=model,  # type: ignore[arg-type]
         dtypes=kw.pop("dtypes", DTYPES),  # type: ignore[arg-type]

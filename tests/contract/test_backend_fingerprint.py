@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from isoexec.contract.backend import cpu_isa, detect_backend
 from isoexec.contract.fingerprint import WeightFingerprint, WeightFingerprinter, tensor_digest
 
@@ -17,7 +16,9 @@ ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve sve2 bf16 i8mm cpuid
 
 
 def test_cpu_isa_keeps_only_kernel_relevant_flags() -> None:
-    assert cpu_isa(X86, machine="x86_64") == "x86_64:amx_tile,avx,avx2,avx512_bf16,avx512f,fma,sse4_2"
+    assert (
+        cpu_isa(X86, machine="x86_64") == "x86_64:amx_tile,avx,avx2,avx512_bf16,avx512f,fma,sse4_2"
+    )
     assert cpu_isa(ARM, machine="aarch64") == "aarch64:asimd,bf16,i8mm,sve,sve2"
     assert cpu_isa("", machine="riscv64") == "riscv64:baseline"
 
@@ -78,7 +79,7 @@ def test_fingerprint_refuses_duplicates_and_non_tensors() -> None:
     fp.add("a", torch.zeros(2))
     with pytest.raises(ValueError, match="weight 'a' given twice"):
         fp.add("a", torch.zeros(2))
-    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"expected a torch\.Tensor"):
         fp.add("b", [1.0])  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="only dense, materialised tensors"):
         fp.add("c", torch.empty(2, device="meta"))

@@ -31,8 +31,12 @@ def files(tmp_path: Path) -> dict[str, Path]:
 def test_help_lists_subcommands_and_runs_as_module() -> None:
     r = isoexec("--help")
     assert r.returncode == 0 and "contract" in r.stdout and "handshake" in r.stdout
-    m = subprocess.run([sys.executable, "-m", "isoexec.contract.cli", "contract", "--help"],
-                       capture_output=True, text=True, timeout=60)
+    m = subprocess.run(
+        [sys.executable, "-m", "isoexec.contract.cli", "contract", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert m.returncode == 0 and "diff" in m.stdout
 
 

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 from _contract_testlib import BACKEND, DTYPES, FP, MODEL, make_contract, site_impls
-
 from isoexec.contract.contract import (
     Contract,
     ContractBuilder,
@@ -218,8 +217,11 @@ def test_tp_invariance_claims() -> None:
 
 
 def test_builder_detects_backend_when_not_given() -> None:
-    c = build_contract(model=MODEL, dtypes=DTYPES, sites={"lm_head": ImplInfo.make(
-        "linear", "isoexec.linear", 1, "torch-cpu", {}, FP)})
+    c = build_contract(
+        model=MODEL,
+        dtypes=DTYPES,
+        sites={"lm_head": ImplInfo.make("linear", "isoexec.linear", 1, "torch-cpu", {}, FP)},
+    )
     assert c.backend.device_kind in ("cpu", "cuda") and c.backend.torch
     assert c.backend.triton is None  # no triton site
 

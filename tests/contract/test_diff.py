@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from _contract_testlib import BACKEND, DTYPES, make_contract, site_impls
-
 from isoexec.contract.diff import diff
 from isoexec.contract.impl import ImplInfo
 
@@ -23,8 +22,12 @@ def test_one_site_version_change_first_line_names_site_and_value() -> None:
     assert len(d.lines) == 1
     assert d.differing_sites == ("layers.3.mlp.fc1",)
     (only,) = d.differences
-    assert (only.site, only.field, only.left, only.right) == ("layers.3.mlp.fc1", "impl version",
-                                                              "3", "4")
+    assert (only.site, only.field, only.left, only.right) == (
+        "layers.3.mlp.fc1",
+        "impl version",
+        "3",
+        "4",
+    )
 
 
 def test_same_change_over_many_sites_collapses_into_one_line() -> None:
@@ -38,8 +41,12 @@ def test_same_change_over_many_sites_collapses_into_one_line() -> None:
 
 def test_global_fields_come_before_sites() -> None:
     a = make_contract(4)
-    b = make_contract(4, backend=replace(BACKEND, torch="2.14.0+cpu"),
-                      dtypes=replace(DTYPES, kv_cache="bfloat16"), fc1_version={0: 9})
+    b = make_contract(
+        4,
+        backend=replace(BACKEND, torch="2.14.0+cpu"),
+        dtypes=replace(DTYPES, kv_cache="bfloat16"),
+        fc1_version={0: 9},
+    )
     assert diff(a, b).lines == (
         "dtypes.kv_cache: float32 → bfloat16",
         "backend.torch: 2.13.0+cpu → 2.14.0+cpu",
@@ -52,8 +59,14 @@ def test_native_vs_canonical_and_missing_site_and_params() -> None:
     other = dict(sites)
     other["layers.1.self_attn.core"] = ImplInfo.native("attention", "CPUAttentionBackendImpl")
     del other["logprobs"]
-    other["lm_head"] = ImplInfo.make("linear", "isoexec.linear.row_block", 3, "torch-cpu",
-                                     {"block_rows": 16}, sites["lm_head"].source_fingerprint)
+    other["lm_head"] = ImplInfo.make(
+        "linear",
+        "isoexec.linear.row_block",
+        3,
+        "torch-cpu",
+        {"block_rows": 16},
+        sites["lm_head"].source_fingerprint,
+    )
     lines = diff(make_contract(2, sites=sites), make_contract(2, sites=other)).lines
     assert lines[0] == (
         "layers.1.self_attn.core (attention): impl isoexec.attention.tiled → "
@@ -68,8 +81,11 @@ def test_layer_kinds_difference_reports_first_index() -> None:
     from isoexec.contract.contract import ModelIdentity
 
     a = make_contract(4)
-    m = ModelIdentity(a.model.architecture, a.model.config_digest,
-                      ("attention", "linear_attention", "attention", "linear_attention"))
+    m = ModelIdentity(
+        a.model.architecture,
+        a.model.config_digest,
+        ("attention", "linear_attention", "attention", "linear_attention"),
+    )
     assert diff(a, make_contract(4, model=m)).lines[0] == (
         "model.layer_kinds[1]: attention → linear_attention (2 layers differ)"
     )

@@ -1,0 +1,134 @@
+"""`isoexec handshake serve|offer|query`: run the rendezvous service standalone, or offer a
+contract file by hand (debugging a refusal without starting a trainer).
+
+Exit codes: 0 served / MATCH / cleared, 1 MISMATCH / not cleared, 2 refused or bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NAME = "handshake"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(NAME, help="serve or use the contract handshake")
+    sub = p.add_subparsers(dest="handshake_command", metavar="ACTION", required=True)
+    serve = sub.add_parser("serve", help="run the ContractExchange service until interrupted")
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
+    serve.add_argument("--token-file", required=True, help="file holding the shared auth token")
+    serve.add_argument(
+        "--expect",
+        action="append",
+        metavar="SIDE=N",
+        help="expected participants, repeatable or comma-separated (default trainer=1,engine=1)",
+    )
+    serve.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S")
+    for name, help_text in (("offer", "offer a contract file"), ("query", "may it get weights?")):
+        q = sub.add_parser(name, help=help_text)
+        q.add_argument("--address", required=True, help="host:port of the service")
+        q.add_argument("--token-file", required=True)
+        q.add_argument("--run-id", required=True)
+        q.add_argument("--side", required=True)
+        q.add_argument("--rank", type=int, default=0)
+        q.add_argument("--timeout", type=float, default=60.0, metavar="S")
+        if name == "offer":
+            q.add_argument("file", help="contract file")
+    return p
+
+
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise _BadInput(f"cannot read token file {path}: {e}") from None
+    if not token:
+        raise _BadInput(f"token file {path} is empty")
+    return token
+
+
+def _parse_expect(values: list[str] | None) -> dict[str, int]:
+    expected: dict[str, int] = {}
+    for item in ",".join(values or ["trainer=1,engine=1"]).split(","):
+        side, sep, n = item.strip().partition("=")
+        if not sep or not side or not n.isdigit() or int(n) < 1:
+            raise _BadInput(f"--expect wants SIDE=N with N ≥ 1, got {item!r}")
+        expected[side] = int(n)
+    return expected
+
+
+class _BadInput(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.handshake_command == "serve":
+            return _serve(args)
+        return _participant(args)
+    except _BadInput as e:
+        print(f"isoexec handshake: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from isoexec.contract.handshake.server import HandshakeServer
+
+    token = _read_token(args.token_file)
+    expected = _parse_expect(args.expect)
+    try:
+        server = HandshakeServer(
+            expected,
+            token,
+            host=args.host,
+            port=args.port,
+            rendezvous_timeout_s=args.rendezvous_timeout,
+        )
+        port = server.start()
+    except (ValueError, OSError, RuntimeError) as e:
+        raise _BadInput(str(e)) from None
+    done = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: done.set())
+    parts = ", ".join(f"{s}×{n}" for s, n in expected.items())
+    print(f"isoexec handshake: serving on {args.host}:{port} (expecting {parts})", flush=True)
+    try:
+        done.wait()
+    finally:
+        server.stop()
+    return 0
+
+
+def _participant(args: argparse.Namespace) -> int:
+    from isoexec.contract.contract import Contract, ContractError
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.types import HandshakeError
+
+    token = _read_token(args.token_file)
+    with HandshakeClient(args.address, token, timeout_s=args.timeout) as client:
+        try:
+            if args.handshake_command == "query":
+                ok, reason = client.may_receive_weights(args.run_id, args.side, args.rank)
+                print("cleared" if ok else f"not cleared: {reason}")
+                return 0 if ok else 1
+            try:
+                contract = Contract.load(args.file)
+            except (OSError, ContractError) as e:
+                raise _BadInput(f"{args.file}: {e}") from None
+            verdict = client.offer(args.run_id, args.side, args.rank, contract)
+        except HandshakeError as e:
+            raise _BadInput(f"refused: {e}") from None
+    print(f"{verdict.outcome} (run {verdict.run_id}, generation {verdict.generation})")
+    if not verdict.matched:
+        print(verdict.summary)
+        for line in verdict.diff:
+            print(line)
+        return 1
+    print(verdict.contract_hash)
+    return 0
