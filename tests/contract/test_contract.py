@@ -16,12 +16,13 @@ from isoexec.contract.contract import (
     ContractBuilder,
     ContractError,
     SchemaVersionError,
-    Site,
+    SiteRecord,
     build_contract,
     canonical_json,
     config_digest,
 )
 from isoexec.contract.impl import ImplInfo
+from isoexec.contract.sites import Site as ModelSite
 
 GOLDEN_BYTES = (
     b'{"backend":{"arch":"x86_64:avx2,fma:AVX2","cuda":null,"device_kind":"cpu","threads":null,'
@@ -186,6 +187,9 @@ def test_native_sites_recorded_and_missing_sites_refused() -> None:
     b.add_site("lm_head", ImplInfo.native("linear", "ParallelLMHead"))
     with pytest.raises(ContractError, match=r"1 site\(s\) not recorded .*: logprobs"):
         b.build(expected_sites=["lm_head", "logprobs"])
+    with pytest.raises(ContractError, match="site 'lm_head' runs op 'logprobs' but its record"):
+        b.build(expected_sites=[ModelSite("lm_head", "logprobs")])
+    assert b.build(expected_sites=[ModelSite("lm_head", "linear")]).site_names == ("lm_head",)
     with pytest.raises(ContractError, match="added twice"):
         b.add_site("lm_head", ImplInfo.native("linear", "ParallelLMHead"))
 
@@ -231,6 +235,6 @@ def test_contract_is_frozen_and_validates_sites() -> None:
     with pytest.raises(AttributeError):
         c.model = MODEL  # type: ignore[misc]
     with pytest.raises(ContractError, match="invalid site name 'has space'"):
-        Contract(MODEL, DTYPES, BACKEND, (Site("has space", ImplInfo.native("x", "Y")),))
+        Contract(MODEL, DTYPES, BACKEND, (SiteRecord("has space", ImplInfo.native("x", "Y")),))
     with pytest.raises(ContractError, match="at least one site"):
         Contract(MODEL, DTYPES, BACKEND, ())

@@ -40,7 +40,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
 
@@ -50,6 +50,15 @@ TP_INVARIANT = "invariant"
 
 _SITE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-/\[\]]*$")
 _HEX = re.compile(r"^[0-9a-f]+$")
+
+
+class HasNameOp(Protocol):
+    """What `expected_sites` accepts besides names: `isoexec.contract.sites.Site`."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def op(self) -> str: ...
 
 
 class ContractError(ValueError):
@@ -107,7 +116,7 @@ class BackendIdentity:
 
 
 @dataclass(frozen=True)
-class Site:
+class SiteRecord:
     """One place in the model where an op runs, and the impl actually installed there."""
 
     name: str
@@ -137,7 +146,7 @@ class Contract:
     model: ModelIdentity
     dtypes: Dtypes
     backend: BackendIdentity
-    sites: tuple[Site, ...]
+    sites: tuple[SiteRecord, ...]
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -285,7 +294,7 @@ class Contract:
             threads=threads,
         )
         raw_sites = _obj(top["sites"], "sites")
-        sites: list[Site] = []
+        sites: list[SiteRecord] = []
         for name in sorted(raw_sites, key=site_sort_key):
             where = f"sites[{name!r}]"
             s = _obj(raw_sites[name], where)
@@ -307,7 +316,7 @@ class Contract:
                 ),
                 source_fingerprint=_str(s["source_fingerprint"], f"{where}.source_fingerprint"),
             )
-            sites.append(Site(name, impl, _str(s["tp"], f"{where}.tp")))
+            sites.append(SiteRecord(name, impl, _str(s["tp"], f"{where}.tp")))
         return Contract(model, dtypes, backend, tuple(sites), version)
 
     # -- files -------------------------------------------------------------------------------
@@ -325,7 +334,7 @@ class Contract:
 
     # -- conveniences ------------------------------------------------------------------------
 
-    def site(self, name: str) -> Site:
+    def site(self, name: str) -> SiteRecord:
         for s in self.sites:
             if s.name == name:
                 return s
@@ -368,26 +377,34 @@ class ContractBuilder:
         self.dtypes = dtypes
         self.backend = backend
         self.tp_size = tp_size
-        self._sites: dict[str, Site] = {}
+        self._sites: dict[str, SiteRecord] = {}
 
     def add_site(self, name: str, impl: ImplInfo, *, tp_invariant: bool = False) -> None:
         if name in self._sites:
             raise ContractError(f"site {name!r} added twice")
         tp = TP_INVARIANT if tp_invariant else str(self.tp_size)
-        self._sites[name] = Site(name, impl, tp)
+        self._sites[name] = SiteRecord(name, impl, tp)
 
-    def build(self, *, expected_sites: Iterable[str] | None = None) -> Contract:
-        """Freeze. With `expected_sites`, a site nobody recorded (not even as native) is an
-        error: a side must never omit a site it left stock."""
+    def build(self, *, expected_sites: Iterable[str | HasNameOp] | None = None) -> Contract:
+        """Freeze. With `expected_sites` (names, or `isoexec.contract.sites.Site` objects from
+        `model_sites(config)`), a site nobody recorded (not even as native) is an error — a side
+        must never omit a site it left stock — and so is a record whose op is not the site's."""
         if expected_sites is not None:
             expected = list(expected_sites)
-            missing = [n for n in expected if n not in self._sites]
+            names = [e if isinstance(e, str) else e.name for e in expected]
+            missing = [n for n in names if n not in self._sites]
             if missing:
                 shown = ", ".join(missing[:5]) + (" …" if len(missing) > 5 else "")
                 raise ContractError(
                     f"{len(missing)} site(s) not recorded (record native ones with "
                     f"ImplInfo.native): {shown}"
                 )
+            for e in expected:
+                if not isinstance(e, str) and self._sites[e.name].impl.op != e.op:
+                    raise ContractError(
+                        f"site {e.name!r} runs op {e.op!r} but its record says "
+                        f"{self._sites[e.name].impl.op!r}"
+                    )
         backend = self.backend
         if backend is None:
             from isoexec.contract.backend import detect_backend
@@ -405,7 +422,7 @@ def build_contract(
     backend: BackendIdentity | None = None,
     tp_size: int = 1,
     tp_invariant: bool | Collection[str] = False,
-    expected_sites: Iterable[str] | None = None,
+    expected_sites: Iterable[str | HasNameOp] | None = None,
 ) -> Contract:
     """One-call form of `ContractBuilder`: `sites` in model order; `tp_invariant` is True (every
     site claims TP invariance), False, or the names of the sites that claim it."""
@@ -545,11 +562,11 @@ def _validate(c: Contract) -> None:
     ):
         raise ContractError("backend.threads: must be a positive integer or None")
     if not isinstance(c.sites, tuple) or not c.sites:
-        raise ContractError("a contract needs at least one site (as a tuple of Site)")
+        raise ContractError("a contract needs at least one site (as a tuple of SiteRecord)")
     seen: set[str] = set()
     for s in c.sites:
-        if not isinstance(s, Site) or not isinstance(s.impl, ImplInfo):
-            raise ContractError(f"sites must be Site(name, ImplInfo, tp), got {s!r}")
+        if not isinstance(s, SiteRecord) or not isinstance(s.impl, ImplInfo):
+            raise ContractError(f"sites must be SiteRecord(name, ImplInfo, tp), got {s!r}")
         if not isinstance(s.name, str) or not _SITE_NAME.match(s.name):
             raise ContractError(f"invalid site name {s.name!r}")
         if s.name in seen:
@@ -598,7 +615,7 @@ __all__ = [
     "Dtypes",
     "ModelIdentity",
     "SchemaVersionError",
-    "Site",
+    "SiteRecord",
     "build_contract",
     "canonical_json",
     "config_digest",

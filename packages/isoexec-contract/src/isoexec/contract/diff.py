@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from isoexec.contract.contract import Contract, Site, site_sort_key
+from isoexec.contract.contract import Contract, SiteRecord, site_sort_key
 
 # Site fields in the order a reader wants them: what runs, then how it is tuned.
 _SITE_FIELDS: tuple[tuple[str, str], ...] = (
@@ -134,7 +134,7 @@ def _change_text(change: tuple[str, str, str]) -> str:
     return f"{label} {lv} → {rv}"
 
 
-def _site_changes(ls: Site | None, rs: Site | None) -> list[tuple[str, str, str]]:
+def _site_changes(ls: SiteRecord | None, rs: SiteRecord | None) -> list[tuple[str, str, str]]:
     if ls is None or rs is None:
         return [("site", _describe(ls), _describe(rs))]
     out: list[tuple[str, str, str]] = []
@@ -151,7 +151,7 @@ def _site_changes(ls: Site | None, rs: Site | None) -> list[tuple[str, str, str]
     return out
 
 
-def _describe(s: Site | None) -> str:
+def _describe(s: SiteRecord | None) -> str:
     if s is None:
         return ABSENT
     return f"{s.impl.op} {s.impl.impl_id} v{s.impl.version}"
