@@ -284,3 +284,25 @@ def test_tied_checkpoint_with_different_lm_head_refused(parallel, qwen3_tied_dir
         load_hf_weights(
             model, sd | {"lm_head.weight": torch.zeros_like(sd["model.embed_tokens.weight"])}
         )
+
+
+def test_bf16_model_is_all_bf16_and_close_to_transformers(parallel, qwen3_moe_dir: Path, sequences):
+    """bf16 build: every parameter (norms too) in bf16, exported in bf16, logprobs near HF bf16.
+
+    Not bitwise (different kernels, ~1e-2): that is what IsoExec's canonical ops are for.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = build_model(qwen3_moe_dir, dtype=torch.bfloat16)
+    load_hf_weights(model, qwen3_moe_dir)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for _, t in export_hf_weights(model)} == {torch.bfloat16}
+    hf = AutoModelForCausalLM.from_pretrained(
+        str(qwen3_moe_dir), dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    with torch.no_grad():
+        ref = [token_logprobs(hf(s.unsqueeze(0)).logits[0], s) for s in sequences]
+    diff = max(
+        float((a - b).abs().max()) for a, b in zip(score(model, sequences), ref, strict=True)
+    )
+    assert diff < 0.15, diff

@@ -276,6 +276,23 @@ def block_spec(arch: ModelArch, sub: Submodules | None = None) -> Any:
 # ------------------------------------------------------------------------------------------
 
 
+def _norms_to_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Give the norm weights the model dtype, as HF has them.
+
+    Why: `WrappedTorchNorm` builds `torch.nn.RMSNorm` without `params_dtype`, so in a bf16 model
+    its weights stay fp32 and promote the normalised activations to fp32, a different
+    computation from HF's (and a different export dtype). Any other parameter off `dtype` is a
+    bug in the spec and is refused.
+    """
+    for name, p in model.named_parameters():
+        if p.dtype == dtype:
+            continue
+        if name.endswith("norm.weight") and p.dtype == torch.float32:
+            p.data = p.data.to(dtype)
+        else:
+            raise RuntimeError(f"parameter {name} is {p.dtype}, model dtype is {dtype}")
+
+
 def build_model(
     hf_config: HFConfigSource | ModelArch,
     *,
@@ -320,6 +337,7 @@ def build_model(
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
+    _norms_to_model_dtype(model, dtype)
     model.isoexec_arch = arch  # the facts it was built from, for weights/scoring/contract
     return model
 
