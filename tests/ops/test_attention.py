@@ -1,0 +1,170 @@
+"""attention: decode == last query of prefill, paged == packed, chunked prefill == whole,
+independence from co-batched sequences and threads; accuracy; backward; SDPA control."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from isoexec.contract.ops import attention_paged, attention_varlen
+
+from conftest import assert_grads_match_float64, num_threads
+
+H, HKV, D = 4, 2, 32
+SCALE = D**-0.5
+
+
+def _qkv(t, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(t, h, D, generator=g).to(dtype) for h in (H, HKV, HKV))
+
+
+def _ref64(q, k, v):
+    t = q.shape[0]
+    qd, kd, vd = (x.double() for x in (q, k, v))
+    kd, vd = kd.repeat_interleave(H // HKV, 1), vd.repeat_interleave(H // HKV, 1)
+    s = torch.einsum("thd,shd->hts", qd, kd) * SCALE
+    s = s.masked_fill(torch.ones(t, t, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hts,shd->thd", s.softmax(-1), vd)
+
+
+def _paged(k, v, block_size, num_blocks, seed):
+    """Write k/v of one sequence into a random cache at a random block order."""
+    g = torch.Generator().manual_seed(seed)
+    kc = torch.randn(num_blocks, block_size, HKV, D, generator=g).to(k.dtype)
+    vc = torch.randn(num_blocks, block_size, HKV, D, generator=g).to(k.dtype)
+    perm = torch.randperm(num_blocks, generator=g)
+    for p in range(k.shape[0]):
+        kc[perm[p // block_size], p % block_size] = k[p]
+        vc[perm[p // block_size], p % block_size] = v[p]
+    return kc, vc, perm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_equals_prefill_and_paged_equals_packed(dtype):
+    t = 45
+    q, k, v = _qkv(t, dtype)
+    full = attention_varlen(q, k, v, torch.tensor([0, t]), scale=SCALE)
+    kc, vc, perm = _paged(k, v, block_size=8, num_blocks=9, seed=1)
+    for n in range(1, t + 1):
+        # decode: query n-1 against the cached prefix 0..n-1 (paged, random block order)
+        got = attention_paged(
+            q[n - 1 : n], kc, vc, perm[None], torch.tensor([n]), torch.tensor([0, 1]), scale=SCALE
+        )
+        assert torch.equal(got[0], full[n - 1]), n
+        # the last query of a prefill of the prefix == the same row of the full prefill
+        pre = attention_varlen(q[:n], k[:n], v[:n], torch.tensor([0, n]), scale=SCALE)
+        assert torch.equal(pre[-1], full[n - 1]), n
+    # whole prefill through the paged entry == packed
+    got = attention_paged(
+        q, kc, vc, perm[None], torch.tensor([t]), torch.tensor([0, t]), scale=SCALE
+    )
+    assert torch.equal(got, full)
+
+
+def test_negative_control_sdpa_decode_differs_from_prefill():
+    t = 45
+    q, k, v = _qkv(t)
+    qh, kh, vh = (
+        x.transpose(0, 1)[None] for x in (q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1))
+    )
+    full = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True)[0].transpose(0, 1)
+    diffs = 0
+    for n in range(2, t + 1):
+        dec = F.scaled_dot_product_attention(qh[:, :, n - 1 : n], kh[:, :, :n], vh[:, :, :n])
+        diffs += not torch.equal(dec[0].transpose(0, 1)[0], full[n - 1])
+    assert diffs > 0
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    t=st.integers(1, 60),
+    split=st.integers(0, 60),
+    block_size=st.sampled_from([4, 8, 16]),
+    kv_tile=st.sampled_from([8, 16]),
+    seed=st.integers(0, 10_000),
+)
+def test_chunked_prefill_any_split_equals_whole(t, split, block_size, kv_tile, seed):
+    split = min(split, t)
+    q, k, v = _qkv(t, seed=seed)
+    whole = attention_varlen(q, k, v, torch.tensor([0, t]), scale=SCALE, kv_tile=kv_tile)
+    nb = -(-t // block_size) + 3
+    kc, vc, perm = _paged(k, v, block_size, nb, seed)
+    outs = []
+    for s, e in ((0, split), (split, t)):
+        if e > s:
+            outs.append(
+                attention_paged(
+                    q[s:e],
+                    kc,
+                    vc,
+                    perm[None],
+                    torch.tensor([e]),
+                    torch.tensor([0, e - s]),
+                    scale=SCALE,
+                    kv_tile=kv_tile,
+                )
+            )
+    assert torch.equal(torch.cat(outs), whole)
+
+
+def test_independent_of_cobatched_sequences_and_threads():
+    """A sequence's rows are the same alone and packed between others (varlen and paged,
+    mixed prefill/decode batch), with 1 and 2 threads."""
+    t = 23
+    q, k, v = _qkv(t, seed=3)
+    alone = attention_varlen(q, k, v, torch.tensor([0, t]), scale=SCALE)
+    for nt in (1, 2):
+        with num_threads(nt):
+            for others in ((1,), (7, 40), (64,)):
+                seqs = [_qkv(n, seed=n) for n in others]
+                parts = [*seqs[:1], (q, k, v), *seqs[1:]]
+                cat = [torch.cat([p[i] for p in parts]) for i in range(3)]
+                lens = [p[0].shape[0] for p in parts]
+                cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+                out = attention_varlen(*cat, cu, scale=SCALE)
+                s = lens[0] if len(parts) > 1 else 0
+                assert torch.equal(out[s : s + t], alone)
+            # paged batch: request 0 decodes its last token, request 1 is another sequence
+            bs, nb = 8, 8
+            kc, vc, perm = _paged(k, v, bs, nb, seed=5)
+            q2, k2, v2 = _qkv(10, seed=9)
+            kc2, vc2, perm2 = _paged(k2, v2, bs, nb, seed=6)
+            kcat, vcat = torch.cat([kc, kc2]), torch.cat([vc, vc2])
+            bt = torch.stack([perm, perm2 + nb])
+            out = attention_paged(
+                torch.cat([q[-1:], q2]),
+                kcat,
+                vcat,
+                bt,
+                torch.tensor([t, 10]),
+                torch.tensor([0, 1, 11]),
+                scale=SCALE,
+            )
+            assert torch.equal(out[0], alone[-1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_accuracy_vs_float64(dtype):
+    q, k, v = _qkv(50, dtype, seed=4)
+    out = attention_varlen(q, k, v, torch.tensor([0, 50]), scale=SCALE).double()
+    ref = _ref64(q, k, v)
+    if dtype == torch.float32:
+        assert (out - ref).abs().max() < 1e-5
+    else:  # one rounding of an fp32-accurate result
+        eps = torch.finfo(dtype).eps
+        assert ((out - ref).abs() <= ref.abs() * eps + 1e-5).all()
+
+
+def test_backward_matches_float64():
+    q, k, v = _qkv(12, seed=7)
+    cu = torch.tensor([0, 5, 12])
+
+    def ref(q, k, v):
+        return torch.cat([_ref64(q[:5], k[:5], v[:5]), _ref64(q[5:], k[5:], v[5:])])
+
+    assert_grads_match_float64(
+        lambda q, k, v: attention_varlen(q, k, v, cu, scale=SCALE, kv_tile=4), ref, (q, k, v)
+    )
