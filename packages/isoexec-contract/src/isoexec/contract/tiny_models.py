@@ -24,6 +24,20 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
     },
+    # Wide enough that stock kernels change bits with batch composition (measured: hidden
+    # 1024 bf16 differs under co-batching): the model of the negative controls.
+    "wide-dense": {
+        "model_type": "qwen3",
+        "vocab_size": 1024,
+        "hidden_size": 1024,
+        "intermediate_size": 2048,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 128,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
     # Qwen3 MoE: 8 experts, top-2 with renormalisation.
     "tiny-moe": {
         "model_type": "qwen3_moe",

@@ -20,7 +20,7 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -43,7 +43,7 @@ class EngineConfig:
     seed: int = 0
     # Logprobs of the distribution actually sampled from (after temperature): what PPO needs.
     logprobs_mode: str = "processed_logprobs"
-    extra_env: dict[str, str] = field(default_factory=dict)
+    extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
     os.environ["ISOEXEC"] = "1" if config.isoexec else "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
-    os.environ.update(config.extra_env)
+    os.environ.update(dict(config.extra_env))
     try:
         handler = _Handler(config)
     except BaseException:

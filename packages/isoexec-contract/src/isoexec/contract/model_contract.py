@@ -1,0 +1,102 @@
+"""The contract of a model, built the same way on both sides.
+
+Trainer and engine each read back their live model's sites; everything else in the contract
+(model identity, dtypes, backend) comes from here, so the two sides can only differ where
+they really differ.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from isoexec.contract.backend import detect_backend
+from isoexec.contract.contract import (
+    BackendIdentity,
+    Contract,
+    Dtypes,
+    ModelIdentity,
+    build_contract,
+    config_digest,
+)
+from isoexec.contract.impl import ImplInfo
+from isoexec.contract.sites import architecture, layer_kinds, model_sites
+
+# HF config fields that change the bits of a forward pass (names, paths and ids do not).
+NUMERIC_CONFIG_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_parameters",
+    "rope_scaling",
+    "partial_rotary_factor",
+    "attention_bias",
+    "tie_word_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "norm_topk_prob",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "layer_types",
+    "linear_conv_kernel_dim",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+LOGPROBS_DTYPE = "float32"
+RECURRENT_STATE_DTYPE = "float32"
+
+
+def model_identity(hf_config: Mapping[str, Any]) -> ModelIdentity:
+    fields = {k: hf_config[k] for k in NUMERIC_CONFIG_FIELDS if hf_config.get(k) is not None}
+    return ModelIdentity(
+        architecture=architecture(hf_config),
+        config_digest=config_digest(fields),
+        layer_kinds=tuple(layer_kinds(hf_config)),
+    )
+
+
+def model_dtypes(hf_config: Mapping[str, Any], dtype: str) -> Dtypes:
+    kinds = set(layer_kinds(hf_config))
+    return Dtypes(
+        params=dtype,
+        activations=dtype,
+        residual=dtype,
+        kv_cache=dtype if "attention" in kinds else None,
+        recurrent_state=RECURRENT_STATE_DTYPE if "linear_attention" in kinds else None,
+        logprobs=LOGPROBS_DTYPE,
+    )
+
+
+def contract_for(
+    hf_config: Mapping[str, Any],
+    dtype: str,
+    sites: Mapping[str, ImplInfo],
+    *,
+    backend: BackendIdentity | None = None,
+    tp_size: int = 1,
+) -> Contract:
+    """The contract of `hf_config` at `dtype` with what each site actually runs.
+
+    Refuses (ContractError) if `sites` misses a site of the model or records the wrong op.
+    """
+    return build_contract(
+        model=model_identity(hf_config),
+        dtypes=model_dtypes(hf_config, dtype),
+        sites=sites,
+        backend=backend or detect_backend(),
+        tp_size=tp_size,
+        expected_sites=model_sites(hf_config),
+    )
