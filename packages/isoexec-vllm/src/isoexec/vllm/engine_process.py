@@ -256,6 +256,28 @@ class _Handler:
         """What worker 0 runs at every site (see `readback`)."""
         return self.llm.collective_rpc("isoexec_sites")[0]
 
+    def contract(self) -> bytes:
+        return self.llm.collective_rpc("isoexec_contract")[0]
+
+    def handshake(self, address: str, token: str, run_id: str) -> list[dict[str, Any]]:
+        """Every worker offers its contract (rank = worker index)."""
+        return [
+            self.llm.collective_rpc("isoexec_handshake", args=(address, token, run_id, rank))[rank]
+            for rank in range(self._num_workers())
+        ]
+
+    def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:
+        """Load HF-named weights on every worker, then drop the now stale prefix cache."""
+        fps = self.llm.collective_rpc("isoexec_load_weights", args=(path, expected_fingerprint))
+        self.llm.reset_prefix_cache()
+        return fps
+
+    def weight_fingerprint(self) -> list[str]:
+        return self.llm.collective_rpc("isoexec_weight_fingerprint")
+
+    def _num_workers(self) -> int:
+        return len(self.llm.collective_rpc("isoexec_weight_fingerprint"))
+
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 

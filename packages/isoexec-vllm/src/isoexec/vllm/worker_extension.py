@@ -1,32 +1,112 @@
 """vLLM worker extension (`worker_extension_cls`): IsoExec's per-worker RPC surface.
 
 Called through `LLM.collective_rpc("isoexec_…")`; every name is prefixed so it cannot clash
-with the worker's own attributes.
+with the worker's own attributes. The weight gate lives here: a worker loads weights only
+after its own contract got MATCH from the handshake service, and the service still says so.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import astuple
 from pathlib import Path
 from typing import Any
 
+import torch
+from isoexec.contract.fingerprint import WeightFingerprint
+from isoexec.contract.model_contract import contract_for
 from isoexec.vllm.readback import read_sites
+from isoexec.vllm.weights import hf_named_weights
 
 QUALNAME = "isoexec.vllm.worker_extension.IsoWorkerExtension"
+ENGINE_SIDE = "engine"
+
+
+class WeightSyncRefusedError(RuntimeError):
+    """Weights were offered to a worker that is not cleared, or arrived damaged."""
 
 
 class IsoWorkerExtension:
     model_runner: Any  # provided by the vLLM worker this class is mixed into
 
+    # ---- contract ----------------------------------------------------------------------------
     def _isoexec_hf_config(self) -> dict[str, Any]:
         path = Path(self.model_runner.model_config.model) / "config.json"
         return json.loads(path.read_text())
 
-    def isoexec_sites(self) -> list[tuple[str, tuple[Any, ...]]]:
-        """(site, ImplInfo fields) for every site, as plain tuples (they cross processes)."""
-        from dataclasses import astuple
+    def _isoexec_dtype(self) -> str:
+        return str(self.model_runner.model_config.dtype).removeprefix("torch.")
 
-        sites = read_sites(
+    def _isoexec_read_sites(self) -> dict[str, Any]:
+        return read_sites(
             self.model_runner.model, self.model_runner.sampler, self._isoexec_hf_config()
         )
-        return [(name, astuple(impl)) for name, impl in sites.items()]
+
+    def isoexec_sites(self) -> list[tuple[str, tuple[Any, ...]]]:
+        """(site, ImplInfo fields) for every site, as plain tuples (they cross processes)."""
+        return [(name, astuple(impl)) for name, impl in self._isoexec_read_sites().items()]
+
+    def isoexec_contract(self) -> bytes:
+        """This worker's contract (canonical bytes), read back from the live model."""
+        hf = self._isoexec_hf_config()
+        return contract_for(hf, self._isoexec_dtype(), self._isoexec_read_sites()).to_bytes()
+
+    # ---- handshake and the weight gate ------------------------------------------------------
+    def isoexec_handshake(
+        self, address: str, token: str, run_id: str, rank: int, timeout_s: float = 300.0
+    ) -> dict[str, Any]:
+        """Offer this worker's contract; clear it for weights only on MATCH."""
+        from isoexec.contract.handshake.client import HandshakeClient
+
+        self._isoexec_gate: tuple[str, str, str, int] | None = None
+        with HandshakeClient(address, token, timeout_s=timeout_s) as client:
+            verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract())
+        if verdict.matched:
+            self._isoexec_gate = (address, token, run_id, rank)
+        return {
+            "outcome": verdict.outcome,
+            "hash": verdict.contract_hash,
+            "summary": verdict.summary,
+            "diff": list(verdict.diff),
+        }
+
+    def _isoexec_check_gate(self) -> None:
+        from isoexec.contract.handshake.client import HandshakeClient
+
+        gate = getattr(self, "_isoexec_gate", None)
+        if gate is None:
+            raise WeightSyncRefusedError(
+                "weight sync refused: this engine worker has no MATCH from the handshake "
+                "(offer the contract first; a restarted worker must offer again)"
+            )
+        address, token, run_id, rank = gate
+        with HandshakeClient(address, token, timeout_s=30.0) as client:
+            ok, reason = client.may_receive_weights(run_id, ENGINE_SIDE, rank)
+        if not ok:
+            raise WeightSyncRefusedError(f"weight sync refused by the handshake service: {reason}")
+
+    def isoexec_load_weights(self, path: str, expected_fingerprint: str) -> str:
+        """Load HF-named weights from a safetensors file; return the live weights' fingerprint.
+
+        Refused before anything is touched when the worker is not cleared or when the received
+        tensors do not hash to the trainer's fingerprint (a corrupted or partial transfer).
+        """
+        from safetensors.torch import load_file
+
+        self._isoexec_check_gate()
+        received = load_file(path)
+        got = WeightFingerprint.of(received).digest
+        if got != expected_fingerprint:
+            raise WeightSyncRefusedError(
+                f"weight sync refused: received weights hash to {got[:16]}…, the trainer sent "
+                f"{expected_fingerprint[:16]}… (corrupted or partial transfer); nothing loaded"
+            )
+        model = self.model_runner.model
+        with torch.no_grad():
+            model.load_weights(iter(received.items()))
+        return self.isoexec_weight_fingerprint()
+
+    def isoexec_weight_fingerprint(self) -> str:
+        """Fingerprint of the weights this worker holds, in canonical (HF) names."""
+        hf = self._isoexec_hf_config()
+        return WeightFingerprint.of(hf_named_weights(self.model_runner.model, hf)).digest

@@ -1,0 +1,77 @@
+"""Engine weight sync behind the handshake gate: refused before MATCH, checked by fingerprint."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from isoexec.contract.contract import Contract
+from isoexec.contract.fingerprint import WeightFingerprint
+from isoexec.contract.handshake.server import HandshakeServer
+from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess, SamplingSpec
+from safetensors.torch import load_file, save_file
+
+pytestmark = pytest.mark.engine
+
+
+def _perturbed_checkpoint(src: str, dst: Path, seed: int) -> Path:
+    """A copy of `src` with every weight changed (same names, shapes, dtypes)."""
+    shutil.copytree(src, dst)
+    weights = load_file(str(dst / "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    new = {
+        n: (t.float() + 0.02 * torch.randn(t.shape, generator=gen)).to(t.dtype)
+        for n, t in weights.items()
+    }
+    save_file(new, str(dst / "model.safetensors"))
+    return dst / "model.safetensors"
+
+
+def test_weight_sync_gate_fingerprints_and_reload(
+    tmp_path: Path, tiny_dense_dir: str, engine_pool: Callable[..., Any]
+) -> None:
+    # A dedicated engine: this test changes its weights.
+    eng = EngineProcess(EngineConfig(model=tiny_dense_dir, isoexec=True, seed=1))
+    try:
+        contract = Contract.from_bytes(eng.call("contract"))
+        assert not contract.native_sites
+        new_file = _perturbed_checkpoint(tiny_dense_dir, tmp_path / "step1", seed=7)
+        new_weights = load_file(str(new_file))
+        expected = WeightFingerprint.of(new_weights).digest
+
+        # 1. Before any handshake: refused, nothing loaded.
+        before = eng.call("weight_fingerprint")
+        with pytest.raises(EngineError, match="no MATCH from the handshake"):
+            eng.call("load_weights", str(new_file), expected)
+        assert eng.call("weight_fingerprint") == before
+
+        token = secrets.token_hex(16)
+        with HandshakeServer({"engine": 1}, token) as server:
+            (verdict,) = eng.call("handshake", server.address, token, "run-1")
+            assert verdict["outcome"] == "MATCH", verdict
+            assert verdict["hash"] == contract.hash
+
+            # 2. A corrupted transfer: fingerprint mismatch, refused, nothing loaded.
+            with pytest.raises(EngineError, match="corrupted or partial transfer"):
+                eng.call("load_weights", str(new_file), "0" * 64)
+            assert eng.call("weight_fingerprint") == before
+
+            # 3. Cleared: loads, and the engine's live weights hash to the trainer's export.
+            assert eng.call("load_weights", str(new_file), expected) == [expected]
+
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
+        spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
+        reloaded = [o.prompt_logprobs for o in eng.generate(prompts, spec)]
+    finally:
+        eng.close()
+
+    # 4. The reloaded engine scores exactly like a fresh engine built from those weights.
+    fresh_dir = tmp_path / "step1"
+    fresh = engine_pool(model=str(fresh_dir), isoexec=True)
+    assert [o.prompt_logprobs for o in fresh.generate(prompts, spec)] == reloaded
+    assert fresh.call("weight_fingerprint") == [expected]
