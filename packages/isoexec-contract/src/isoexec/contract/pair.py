@@ -1,0 +1,202 @@
+"""`isoexec pair`: the main job. Trainer and engine, side by side, on one machine.
+
+The engine (a real vLLM in its own process) samples a mixed batch; the trainer (a real
+Megatron-core model in this process) scores exactly the sampled sequences; every sampled
+token's logprob is compared bit for bit. Run once with IsoExec on (after the contract
+handshake) and once off (the stock arm), and print one table. Needs both sides installed
+(`isoexec-megatron` and `isoexec-vllm`), as in the development workspace.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import secrets
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn")
+TEMPERATURES = (1.0, 0.7)
+
+
+@dataclass(frozen=True)
+class ArmResult:
+    arm: str
+    handshake: str
+    tokens: int
+    bitwise_equal: int
+    max_abs_diff: float
+    max_ratio_dev: float  # max |exp(lp_train - lp_engine) - 1|
+
+    @property
+    def equal_fraction(self) -> float:
+        return self.bitwise_equal / self.tokens if self.tokens else 0.0
+
+
+def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
+    """A mixed batch: different lengths, shared prefixes, one long prompt that gets chunked."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(140)]
+    prompts = []
+    for i in range(num):
+        if i % 3 == 0:
+            p = shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
+        elif i % 3 == 1:
+            p = [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))]
+        else:
+            p = [rng.randrange(vocab) for _ in range(rng.randrange(180, 260))]
+        prompts.append(p)
+    return prompts
+
+
+def run_arm(
+    model_dir: str,
+    dtype: str,
+    *,
+    isoexec: bool,
+    num_prompts: int,
+    max_tokens: int,
+    seed: int,
+) -> ArmResult:
+    import torch
+
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.megatron import build_model, load_hf_weights, megatron_parallel, score
+    from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
+
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    prompts = make_prompts(num_prompts, int(hf_config["vocab_size"]), seed)
+    temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
+    engine_cfg = EngineConfig(
+        model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128
+    )
+    with EngineProcess(engine_cfg) as engine, megatron_parallel():
+        model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype)
+        load_hf_weights(model, model_dir)
+        handshake = "n/a (stock arm)"
+        if isoexec:
+            handshake = _handshake(
+                model, hf_config, dtype, engine, HandshakeServer, HandshakeClient
+            )
+        engine.call("reset_prefix_cache")
+        specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
+        completions = engine.generate(prompts, specs)
+        train_lps, engine_lps = [], []
+        for temp in TEMPERATURES:
+            group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
+            scored = score(
+                model, [c.prompt_token_ids + c.token_ids for c in group], temperature=temp
+            )
+            for c, lp in zip(group, scored, strict=True):
+                train_lps.append(lp[-len(c.token_ids) :].float())
+                engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    train = torch.cat(train_lps)
+    eng = torch.cat(engine_lps)
+    diff = (train - eng).abs()
+    ratio_dev = (torch.exp(train.double() - eng.double()) - 1).abs()
+    return ArmResult(
+        arm="isoexec" if isoexec else "stock",
+        handshake=handshake,
+        tokens=int(train.numel()),
+        bitwise_equal=int((train == eng).sum()),
+        max_abs_diff=float(diff.max()),
+        max_ratio_dev=float(ratio_dev.max()),
+    )
+
+
+def _handshake(
+    model: Any, hf_config: dict[str, Any], dtype: str, engine: Any, server_cls: Any, client_cls: Any
+) -> str:
+    """Trainer hosts the service; trainer rank 0 and the engine worker offer concurrently."""
+    from isoexec.megatron import trainer_contract
+
+    contract = trainer_contract(model, hf_config, dtype)
+    token = secrets.token_hex(16)
+    verdicts: dict[str, Any] = {}
+    with server_cls({"trainer": 1, "engine": 1}, token) as server:
+
+        def offer() -> None:
+            with client_cls(server.address, token) as client:
+                verdicts["trainer"] = client.offer("pair", "trainer", 0, contract)
+
+        t = threading.Thread(target=offer)
+        t.start()
+        (engine_verdict,) = engine.call("handshake", server.address, token, "pair")
+        t.join()
+    verdicts["trainer"].raise_for_mismatch()
+    if engine_verdict["outcome"] != "MATCH":
+        raise RuntimeError("engine got " + engine_verdict["outcome"])
+    return f"MATCH {contract.hash[:12]}"
+
+
+def format_table(model: str, dtype: str, results: list[ArmResult]) -> str:
+    head = f"isoexec pair — model {model}, dtype {dtype}"
+    rows = [
+        f"{'arm':<8} {'handshake':<20} {'tokens':>6} {'bitwise equal':>14} "
+        f"{'max |Δ logprob|':>16} {'max |ratio-1|':>14}"
+    ]
+    for r in results:
+        rows.append(
+            f"{r.arm:<8} {r.handshake:<20} {r.tokens:>6} "
+            f"{f'{r.bitwise_equal} ({100 * r.equal_fraction:.1f}%)':>14} "
+            f"{r.max_abs_diff:>16.3e} {r.max_ratio_dev:>14.3e}"
+        )
+    return "\n".join([head, *rows])
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser("pair", help="trainer vs engine, bitwise, IsoExec on and off")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="a Hugging Face checkpoint directory")
+    src.add_argument("--preset", choices=PRESETS, default="tiny-dense")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--num-prompts", type=int, default=6)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default="runs/pair", help="where the model and results go")
+    p.add_argument("--arms", default="isoexec,stock", help="comma list of isoexec,stock")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.model:
+        model_dir = args.model
+        if not (Path(model_dir) / "config.json").exists():
+            print(f"isoexec pair: {model_dir} has no config.json", flush=True)
+            return 2
+    else:
+        from isoexec.contract.tiny_models import make_tiny_model
+
+        model_dir = str(
+            make_tiny_model(args.preset, out / f"{args.preset}-{args.dtype}", dtype=args.dtype)
+        )
+    from isoexec.contract.sites import UnsupportedModelError, architecture
+
+    try:
+        architecture(json.loads((Path(model_dir) / "config.json").read_text()))
+    except UnsupportedModelError as e:
+        print(f"isoexec pair: {e}", flush=True)
+        return 2
+    results = [
+        run_arm(
+            model_dir,
+            args.dtype,
+            isoexec=arm == "isoexec",
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+        )
+        for arm in args.arms.split(",")
+    ]
+    table = format_table(args.model or args.preset, args.dtype, results)
+    print(table, flush=True)
+    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    iso = [r for r in results if r.arm == "isoexec"]
+    return 0 if all(r.bitwise_equal == r.tokens and r.tokens > 0 for r in iso) else 1
