@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _ops_testlib import assert_grads_match_float64, num_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from isoexec.contract.ops import attention_paged, attention_varlen
 
-from conftest import assert_grads_match_float64, num_threads
+from isoexec.contract.ops import attention_paged, attention_varlen
 
 H, HKV, D = 4, 2, 32
 SCALE = D**-0.5

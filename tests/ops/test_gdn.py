@@ -6,15 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _ops_testlib import assert_grads_match_float64, assert_row_invariant, num_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from isoexec.contract.ops import gated_rms_norm, gdn_conv, gdn_recurrence
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
 )
 
-from conftest import assert_grads_match_float64, assert_row_invariant, num_threads
+from isoexec.contract.ops import gated_rms_norm, gdn_conv, gdn_recurrence
 
 HK, HV, K, V = 2, 4, 16, 8
 C, W = 40, 4

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from _ops_testlib import assert_row_invariant, assert_row_variant, num_threads, ulp_bound
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from isoexec.contract.ops import (
     get_impl,
     linear,
@@ -15,8 +17,6 @@ from isoexec.contract.ops import (
     tp_linear_from_shards,
     tp_tree_sum,
 )
-
-from conftest import assert_row_invariant, assert_row_variant, num_threads, ulp_bound
 
 K, N = 1024, 256
 

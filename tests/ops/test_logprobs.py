@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from isoexec.contract.ops import log_softmax, token_logprobs, token_logprobs_vocab_parallel
+from _ops_testlib import assert_grads_match_float64, assert_row_invariant, assert_row_variant
 
-from conftest import assert_grads_match_float64, assert_row_invariant, assert_row_variant
+from isoexec.contract.ops import log_softmax, token_logprobs, token_logprobs_vocab_parallel
 
 V = 1000
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from isoexec.contract.ops import moe_combine, moe_router, moe_weighted_sum
+from _ops_testlib import assert_grads_match_float64, assert_row_invariant, assert_row_variant
 
-from conftest import assert_grads_match_float64, assert_row_invariant, assert_row_variant
+from isoexec.contract.ops import moe_combine, moe_router, moe_weighted_sum
 
 E, TOPK, HID, INTER = 8, 2, 256, 96
 

@@ -5,16 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from isoexec.contract.ops import apply_rope, gated_rms_norm, rms_norm, rope_cos_sin, silu_mul
-from isoexec.contract.ops._pointwise import padded_length, pointwise
-
-from conftest import (
+from _ops_testlib import (
     assert_grads_match_float64,
     assert_row_invariant,
     assert_row_variant,
     num_threads,
     ulp_bound,
 )
+
+from isoexec.contract.ops import apply_rope, gated_rms_norm, rms_norm, rope_cos_sin, silu_mul
+from isoexec.contract.ops._pointwise import padded_length, pointwise
 
 H = 300  # not a multiple of the SIMD width: a row's tail lands on scalar or vector paths
 DTYPES = [torch.float32, torch.bfloat16]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops import REGISTRY, get_impl
 

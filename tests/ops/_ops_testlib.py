@@ -7,14 +7,10 @@ row's bits every time, a negative control must not.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 BATCH_SIZES = (1, 2, 7, 16, 64, 333)
 THREADS = (1, 2)
