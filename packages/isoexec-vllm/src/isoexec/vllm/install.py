@@ -16,9 +16,11 @@ def install_plugin() -> None:
         return
     from isoexec.vllm.attention import register_attention
     from isoexec.vllm.layers import register_layers
+    from isoexec.vllm.moe import register_moe
     from isoexec.vllm.sampler import install_sampler
 
     register_layers()
+    register_moe()
     register_attention()
     install_sampler()
     _INSTALLED = True

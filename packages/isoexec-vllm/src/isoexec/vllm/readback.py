@@ -37,7 +37,7 @@ _LAYER_PATHS: dict[str, str] = {
     "mlp.gate_up_proj": "mlp.gate_up_proj",
     "mlp.act": "mlp.act_fn",
     "mlp.down_proj": "mlp.down_proj",
-    "mlp.router": "mlp.gate",
+    "mlp.router": "mlp.experts",  # the runner routes (logits via its canonical gate)
     "mlp.experts": "mlp.experts",
 }
 _TOP_PATHS = {"final_norm": "model.norm", "lm_head": "lm_head"}

@@ -1,0 +1,101 @@
+"""Shared engine-invariance checks: one prompt's logprobs observed in several engine situations.
+
+Used by the per-family engine tests. A situation is a way vLLM may schedule the same tokens
+(alone, co-batched, chunked prefill, prefix-cache hit, decode vs prefill); with IsoExec every
+situation must give the same bits as the prompt alone.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable
+from typing import Any
+
+from isoexec.contract.impl import NATIVE_PREFIX
+from isoexec.vllm.engine_process import EngineProcess, SamplingSpec
+
+PROMPT_LEN = 150  # > one 128-token KV block, several 32-token prefill chunks
+CHUNK_BUDGET = 32
+OTHER_LENS = (37, 5, 211)
+
+
+def prompt(seed: int, n: int, vocab: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(vocab) for _ in range(n)]
+
+
+def prompt_logprobs(eng: EngineProcess, prompts: list[list[int]], index: int) -> list[float]:
+    outs = eng.generate(prompts, SamplingSpec(max_tokens=1, prompt_logprobs=True))
+    lps = outs[index].prompt_logprobs
+    assert lps is not None
+    return lps
+
+
+def observations(
+    engine_pool: Callable[..., EngineProcess],
+    model: str,
+    dtype: str,
+    vocab: int,
+    *,
+    isoexec: bool = True,
+    prefix_caching: bool = True,
+    chunked_prefill: bool = True,
+) -> dict[str, list[float]]:
+    """The same prompt's logprobs in every situation.
+
+    `prefix_caching=False` runs the engines without it (and skips the cache-hit situation);
+    `chunked_prefill=False` skips the second (chunked) engine, which costs one engine start.
+    """
+    common: dict[str, Any] = {"model": model, "dtype": dtype, "isoexec": isoexec}
+    if not prefix_caching:
+        common["enable_prefix_caching"] = False
+    whole = engine_pool(**common)
+    p = prompt(1, PROMPT_LEN, vocab)
+    others = [prompt(2 + i, n, vocab) for i, n in enumerate(OTHER_LENS)]
+    if prefix_caching:
+        whole.call("reset_prefix_cache")
+    obs = {"alone": prompt_logprobs(whole, [p], 0)}
+    if prefix_caching:
+        obs["prefix_cache_hit"] = prompt_logprobs(whole, [p], 0)  # first block is cached
+    obs["co_batched"] = prompt_logprobs(whole, [others[0], p, others[1], others[2]], 1)
+    if chunked_prefill:
+        chunked = engine_pool(**common, max_num_batched_tokens=CHUNK_BUDGET)
+        if prefix_caching:
+            chunked.call("reset_prefix_cache")
+        obs["chunked_prefill"] = prompt_logprobs(chunked, [p], 0)
+    # decode == prefill: greedy-decode 6 tokens, then score prompt+tokens as a prompt
+    (gen,) = whole.generate([p], SamplingSpec(max_tokens=6, temperature=0.0))
+    obs["decode"] = obs["alone"] + gen.logprobs
+    obs["prefill_of_decoded"] = prompt_logprobs(whole, [p + gen.token_ids], 0)
+    # decode co-batched with prefills of other prompts (mixed decode/prefill steps)
+    gens = whole.generate([p, *others], SamplingSpec(max_tokens=6, temperature=0.0))
+    obs["decode_co_batched"] = obs["alone"] + gens[0].logprobs
+    return obs
+
+
+def differences(obs: dict[str, list[float]]) -> dict[str, int]:
+    """Per situation: how many logprobs differ (bitwise) from the reference."""
+    ref = obs["alone"]
+    paired = ("alone", "decode", "prefill_of_decoded", "decode_co_batched")
+    diffs = {
+        name: sum(a != b for a, b in zip(ref, vals[: len(ref)], strict=True))
+        for name, vals in obs.items()
+        if name not in paired
+    }
+    dec, pre = obs["decode"], obs["prefill_of_decoded"]
+    diffs["decode_vs_prefill"] = sum(a != b for a, b in zip(dec, pre, strict=True))
+    diffs["decode_co_batched"] = sum(
+        a != b for a, b in zip(dec, obs["decode_co_batched"], strict=True)
+    )
+    return diffs
+
+
+def assert_finite(obs: dict[str, list[float]]) -> None:
+    for name, vals in obs.items():
+        assert all(math.isfinite(v) and v <= 0.0 for v in vals), name
+
+
+def non_canonical_sites(eng: EngineProcess) -> list[str]:
+    """Sites whose read-back impl is native (empty when everything is canonical)."""
+    return [name for name, impl in eng.call("sites") if impl[1].startswith(NATIVE_PREFIX)]
