@@ -4,6 +4,12 @@ Importing this package imports neither Megatron nor vLLM; Megatron is imported w
 built, and CPU shims are applied only by `apply_cpu_shims()` / `megatron_parallel()`.
 """
 
+from isoexec.megatron.contract_readback import (
+    SiteNotFoundError,
+    SiteNotInstalledError,
+    read_sites,
+    trainer_contract,
+)
 from isoexec.megatron.cpu_shims import applied_cpu_shims, apply_cpu_shims
 from isoexec.megatron.hf_config import (
     SUPPORTED_ARCHITECTURES,
@@ -11,9 +17,15 @@ from isoexec.megatron.hf_config import (
     UnsupportedConfigError,
     load_hf_config,
 )
-from isoexec.megatron.model_builder import Submodules, block_spec, build_model
+from isoexec.megatron.model_builder import (
+    Submodules,
+    block_spec,
+    build_model,
+    isoexec_submodules,
+    native_submodules,
+)
 from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
-from isoexec.megatron.scoring import score, token_logprobs, train_step
+from isoexec.megatron.scoring import is_isoexec, score, token_logprobs, train_step
 from isoexec.megatron.weights import (
     CheckpointMismatchError,
     export_hf_weights,
@@ -26,6 +38,8 @@ __all__ = [
     "CheckpointMismatchError",
     "ModelArch",
     "ParallelInfo",
+    "SiteNotFoundError",
+    "SiteNotInstalledError",
     "Submodules",
     "UnsupportedConfigError",
     "applied_cpu_shims",
@@ -33,11 +47,16 @@ __all__ = [
     "block_spec",
     "build_model",
     "export_hf_weights",
+    "is_isoexec",
+    "isoexec_submodules",
     "load_hf_config",
     "load_hf_weights",
     "megatron_parallel",
+    "native_submodules",
+    "read_sites",
     "save_hf_safetensors",
     "score",
     "token_logprobs",
     "train_step",
+    "trainer_contract",
 ]

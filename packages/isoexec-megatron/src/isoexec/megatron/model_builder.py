@@ -6,10 +6,11 @@ Two pieces of data decide the model:
   dense layers get `MLP`, sparse layers get `MoELayer` with `SequentialMLP` experts).
 
 `Submodules` is the extension point for IsoExec: it names the class that fills every slot of a
-layer (linears, norms, core attention, experts). `NATIVE_SUBMODULES` is Megatron's own local
-(no-TE) implementation; the canonical ops will provide another `Submodules` with the same
-slots, selected by `build_model(..., isoexec=True)`. A new architecture (Qwen3-Next's GDN
-hybrid next) adds a `LayerSpecBuilder` to `_LAYER_SPEC_BUILDERS`.
+layer (linears, norms, core attention, activation, MoE layer, router, experts) and the model
+class. `native_submodules()` is Megatron's own local (no-TE) implementation;
+`isoexec_submodules()` the canonical one (`canonical_modules`), selected by
+`build_model(..., isoexec=True)`. A new architecture (Qwen3-Next's GDN hybrid next) adds a
+`LayerSpecBuilder` to `_LAYER_SPEC_BUILDERS`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
 from isoexec.megatron.hf_config import (
     SUPPORTED_ARCHITECTURES,
     HFConfigSource,
@@ -48,6 +50,12 @@ class Submodules:
     experts: type  # container of the routed experts
     router: type
     name: str = "native"
+    # None: Megatron's own glu on `config.activation_func`; a class: built from the MLP spec.
+    activation: type | None = None
+    moe_layer: type | None = None  # None: Megatron's MoELayer
+    model: type | None = None  # None: GPTModel
+    # True: the model has no Megatron rotary embedding (the core attention applies RoPE).
+    rope_in_core_attention: bool = False
 
 
 def native_submodules() -> Submodules:
@@ -75,11 +83,26 @@ def native_submodules() -> Submodules:
 
 
 def isoexec_submodules() -> Submodules:
-    """The canonical IsoExec modules for every slot. Not written yet: refuses clearly."""
-    raise NotImplementedError(
-        "build_model(isoexec=True): the canonical IsoExec submodules (isoexec.contract.ops "
-        "adapters for linear, rms_norm, rope, attention, moe) are not implemented yet; build "
-        "with isoexec=False for the native Megatron path"
+    """The canonical IsoExec modules (`isoexec.megatron.canonical_modules`) in every slot."""
+    from isoexec.megatron import canonical_modules as cm
+
+    return Submodules(
+        norm=cm.IsoRMSNorm,
+        qk_norm=cm.IsoRMSNorm,
+        linear_qkv=cm.IsoQKVLinear,
+        core_attention=cm.IsoCoreAttention,
+        linear_proj=cm.IsoRowParallelLinear,
+        linear_fc1=cm.IsoColumnParallelLinear,
+        linear_fc2=cm.IsoRowParallelLinear,
+        expert_linear_fc1=cm.IsoColumnParallelLinear,
+        expert_linear_fc2=cm.IsoRowParallelLinear,
+        experts=cm.IsoSequentialMLP,
+        router=cm.IsoTopKRouter,
+        name="isoexec",
+        activation=cm.IsoSiluMul,
+        moe_layer=cm.IsoMoELayer,
+        model=cm.IsoGPTModel,
+        rope_in_core_attention=True,
     )
 
 
@@ -88,11 +111,20 @@ def isoexec_submodules() -> Submodules:
 # ------------------------------------------------------------------------------------------
 
 
-def transformer_config(arch: ModelArch, *, tp: int = 1, dtype: torch.dtype = torch.float32) -> Any:
+def transformer_config(
+    arch: ModelArch,
+    *,
+    tp: int = 1,
+    dtype: torch.dtype = torch.float32,
+    sub: Submodules | None = None,
+) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
     Fusions are off because they need CUDA/TE/apex and because IsoExec must know which kernel
     runs at each site. Dropout follows the HF config (0 for Qwen3), so scoring is deterministic.
+    With canonical submodules (`sub.rope_in_core_attention`) it is an `IsoTransformerConfig`
+    carrying the RoPE base, and the activation is built from the MLP spec
+    (`use_te_activation_func`, Megatron's switch for "activation module from the spec").
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -157,6 +189,12 @@ def transformer_config(arch: ModelArch, *, tp: int = 1, dtype: torch.dtype = tor
             moe_permute_fusion=False,
             moe_router_fusion=False,
         )
+    if sub is not None and sub.activation is not None:
+        kwargs["use_te_activation_func"] = True
+    if sub is not None and sub.rope_in_core_attention:
+        from isoexec.megatron.canonical_modules import IsoTransformerConfig
+
+        return IsoTransformerConfig(**kwargs, isoexec_rope_theta=arch.rope_theta)
     return TransformerConfig(**kwargs)
 
 
@@ -203,7 +241,10 @@ def _dense_mlp_spec(sub: Submodules) -> Any:
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=sub.linear_fc1, linear_fc2=sub.linear_fc2)
+        module=MLP,
+        submodules=MLPSubmodules(
+            linear_fc1=sub.linear_fc1, activation_func=sub.activation, linear_fc2=sub.linear_fc2
+        ),
     )
 
 
@@ -215,11 +256,13 @@ def _moe_spec(sub: Submodules) -> Any:
     experts = ModuleSpec(
         module=sub.experts,
         submodules=MLPSubmodules(
-            linear_fc1=sub.expert_linear_fc1, linear_fc2=sub.expert_linear_fc2
+            linear_fc1=sub.expert_linear_fc1,
+            activation_func=sub.activation,
+            linear_fc2=sub.expert_linear_fc2,
         ),
     )
     return ModuleSpec(
-        module=MoELayer,
+        module=sub.moe_layer or MoELayer,
         submodules=MoESubmodules(experts=experts, shared_experts=None, router=sub.router),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )
@@ -303,7 +346,9 @@ def build_model(
     """A Megatron-core `GPTModel` with the HF model's architecture (weights: see `weights`).
 
     Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
-    must equal `tp`. `isoexec=True` will install the canonical submodules; not available yet.
+    must equal `tp`. `isoexec=True` installs the canonical submodules in every slot and then
+    reads every op site back: a site left native is an error (`SiteNotInstalledError`), never
+    a silent fallback. isoexec is TP=1 only for now.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -319,13 +364,19 @@ def build_model(
         raise ValueError(
             f"tp={tp} but parallel_state has TP={ps.get_tensor_model_parallel_world_size()}"
         )
+    if isoexec and tp != 1:
+        raise NotImplementedError(
+            f"build_model(isoexec=True, tp={tp}): the canonical trainer is TP=1 only (TP-"
+            "invariant linears and vocab-parallel logprobs are not wired into Megatron yet)"
+        )
     if not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
 
-    config = transformer_config(arch, tp=tp, dtype=dtype)
-    model = GPTModel(
+    config = transformer_config(arch, tp=tp, dtype=dtype, sub=sub)
+    model_cls = sub.model or GPTModel
+    model = model_cls(
         config=config,
         transformer_layer_spec=block_spec(arch, sub),
         vocab_size=arch.vocab_size,
@@ -333,12 +384,17 @@ def build_model(
         pre_process=True,
         post_process=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="rope",
+        position_embedding_type="none" if sub.rope_in_core_attention else "rope",
         rotary_percent=1.0,
         rotary_base=arch.rope_theta,
     )
     _norms_to_model_dtype(model, dtype)
     model.isoexec_arch = arch  # the facts it was built from, for weights/scoring/contract
+    model.isoexec_mode = isoexec
+    if isoexec:
+        from isoexec.megatron.contract_readback import verify_installed
+
+        verify_installed(model)
     return model
 
 

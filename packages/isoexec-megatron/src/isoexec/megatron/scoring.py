@@ -1,13 +1,18 @@
 """Per-token logprobs from a Megatron `GPTModel`, and one training step on them.
 
 `score` is what the RL trainer compares against the engine's sampled-token logprobs: for a
-sequence of token ids t_0..t_{n-1} it returns log p(t_{i+1} | t_0..t_i) for i = 0..n-2.
+sequence of token ids t_0..t_{n-1} it returns log p(t_{i+1} | t_0..t_i) for i = 0..n-2, under
+`softmax(logits / temperature)` — the distribution the engine sampled from (its
+`processed_logprobs`; prompt logprobs are T=1).
 
-Native path for now: one forward per sequence with batch size 1, explicit position ids 0..n-1
-and Megatron's default causal mask. Packing (cu_seqlens) is not used: Megatron's local
-`DotProductAttention` refuses `packed_seq_params` (only TE's attention supports it); the
-canonical IsoExec attention will read packed sequences. The logprob op is log_softmax over the
-full vocab row in fp32 + gather, as the engine's canonical `logprobs` op will be.
+- isoexec model (`build_model(isoexec=True)`): sequences are **packed** into one forward
+  (token ids concatenated, boundaries as `PackedSeqParams` cu_seqlens), optionally split into
+  micro-batches (`max_tokens`) and padded (`pad_to_multiple`, an extra dummy sequence). Every
+  op is row-invariant, so a sequence's logprobs are bitwise independent of packing, padding
+  and split. Logits are the canonical lm head on every row; logprobs are
+  `ops.token_logprobs(logits, next_ids, temperature=T)`, the engine sampler's op.
+- native model: one forward per sequence with batch size 1 (Megatron's local
+  `DotProductAttention` refuses packed sequences); fp32 log-softmax + gather.
 """
 
 from __future__ import annotations
@@ -16,7 +21,12 @@ from collections.abc import Sequence
 
 import torch
 
+from isoexec.contract import ops
+
 TokenSeq = Sequence[int] | torch.Tensor
+
+# vLLM's _SAMPLING_EPS: a request below it is greedy and the engine reports T=1 logprobs.
+_SAMPLING_EPS = 1e-5
 
 
 def _as_ids(seq: TokenSeq, vocab_size: int) -> torch.Tensor:
@@ -39,40 +49,148 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return vocab
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """log p(ids[i+1] | ≤ i) from logits [n, vocab] of positions 0..n-1: fp32 log_softmax + gather.
-
-    Reduces over the contiguous last dim of each row, which is row-invariant on CPU.
-    """
-    logp = torch.log_softmax(logits[:-1].float(), dim=-1)
-    return logp.gather(-1, ids[1:].unsqueeze(-1)).squeeze(-1)
+def _effective_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not t >= 0.0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    return 1.0 if t < _SAMPLING_EPS else t
 
 
-def _forward_logprobs(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def token_logprobs(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """log p(ids[i+1] | ≤ i) from logits [n, vocab] of positions 0..n-1: fp32 log_softmax of
+    `logits / T` + gather. Reduces over the contiguous last dim (row-invariant on CPU)."""
+    return ops.token_logprobs(logits[:-1], ids[1:], temperature=temperature)
+
+
+def is_isoexec(model: torch.nn.Module) -> bool:
+    """True for a model built with canonical modules (it declares its logprobs op)."""
+    impls = getattr(model, "isoexec_impls", None) or {}
+    return bool(getattr(model, "isoexec_mode", False)) and "logprobs" in impls
+
+
+def _check_tp(model: torch.nn.Module) -> None:
     tp = getattr(model.config, "tensor_model_parallel_size", 1)
     if tp != 1:
         raise NotImplementedError(
             f"scoring with TP={tp}: vocab-parallel logprobs are not implemented yet"
         )
+
+
+def _forward_logprobs(
+    model: torch.nn.Module, ids: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """Native path: one sequence, batch size 1, Megatron's default causal mask."""
+    _check_tp(model)
     device = next(model.parameters()).device
     input_ids = ids.to(device).unsqueeze(0)  # [1, n]
     position_ids = torch.arange(ids.numel(), device=device).unsqueeze(0)
     logits = model(input_ids, position_ids, attention_mask=None)  # [1, n, vocab]
-    return token_logprobs(logits[0], input_ids[0])
+    return token_logprobs(logits[0], input_ids[0], temperature)
 
 
-def score(model: torch.nn.Module, sequences: Sequence[TokenSeq]) -> list[torch.Tensor]:
-    """Per-token logprobs (fp32, length n-1) of each sequence; no gradients, eval mode.
+def _packs(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
+    """Greedy split of sequence indices (in order) into packs of <= max_tokens tokens."""
+    if max_tokens is None:
+        return [list(range(len(lengths)))]
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    packs: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > max_tokens:
+            packs.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        packs.append(cur)
+    return packs
 
-    The model's train/eval mode is restored afterwards.
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    seqs: list[torch.Tensor],
+    temperature: float = 1.0,
+    *,
+    pad_to_multiple: int | None = None,
+) -> list[torch.Tensor]:
+    """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
+
+    Keeps the autograd graph (used by `train_step`). Padding, if asked, is one extra dummy
+    sequence of token 0 at the end, so it is its own attention segment.
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    _check_tp(model)
+    device = next(model.parameters()).device
+    lens = [int(s.numel()) for s in seqs]
+    total = sum(lens)
+    pad = 0
+    if pad_to_multiple is not None:
+        if pad_to_multiple < 1:
+            raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+        pad = -total % pad_to_multiple
+    parts = list(seqs) + ([torch.zeros(pad, dtype=torch.int64)] if pad else [])
+    bounds = lens + ([pad] if pad else [])
+    cu = torch.tensor([0, *torch.tensor(bounds).cumsum(0).tolist()], dtype=torch.int32)
+    ids = torch.cat(parts).to(device)
+    positions = torch.cat([torch.arange(n) for n in bounds]).to(device)
+    params = PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu.to(device),
+        cu_seqlens_kv=cu.to(device),
+        max_seqlen_q=max(bounds),
+        max_seqlen_kv=max(bounds),
+    )
+    logits = model(
+        ids.unsqueeze(0), positions.unsqueeze(0), attention_mask=None, packed_seq_params=params
+    )[0]  # [T, vocab]
+    # Rows predicting a next token of the same sequence, and that token.
+    rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu.tolist(), lens, strict=False)])
+    nxt = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(cu.tolist(), lens, strict=False)])
+    lp = ops.token_logprobs(logits[rows.to(device)], ids[nxt.to(device)], temperature=temperature)
+    return list(lp.split([n - 1 for n in lens]))
+
+
+def score(
+    model: torch.nn.Module,
+    sequences: Sequence[TokenSeq],
+    temperature: float = 1.0,
+    *,
+    max_tokens: int | None = None,
+    pad_to_multiple: int | None = None,
+) -> list[torch.Tensor]:
+    """Per-token logprobs (fp32, length n-1) of each sequence at `temperature`; no gradients,
+    eval mode (restored afterwards).
+
+    isoexec model: packed forwards of at most `max_tokens` tokens (default: all in one), each
+    padded to a multiple of `pad_to_multiple`; the bits do not depend on either. A temperature
+    below vLLM's sampling epsilon is greedy, scored at T=1 like the engine does. The native
+    path scores one sequence per forward and refuses the packing options.
     """
     vocab = _vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
+    t = _effective_temperature(temperature)
+    iso = is_isoexec(model)
+    if not iso and (max_tokens is not None or pad_to_multiple is not None):
+        raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            return [_forward_logprobs(model, ids).cpu() for ids in all_ids]
+            if not iso:
+                return [_forward_logprobs(model, ids, t).cpu() for ids in all_ids]
+            out: list[torch.Tensor] = [torch.empty(0)] * len(all_ids)
+            for pack in _packs([int(i.numel()) for i in all_ids], max_tokens):
+                lps = packed_logprobs(
+                    model, [all_ids[i] for i in pack], t, pad_to_multiple=pad_to_multiple
+                )
+                for i, lp in zip(pack, lps, strict=True):
+                    out[i] = lp.cpu()
+            return out
     finally:
         model.train(was_training)
 
@@ -81,12 +199,14 @@ def train_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     sequences: Sequence[TokenSeq],
+    *,
+    max_tokens: int | None = None,
 ) -> float:
     """One optimizer step on the mean negative logprob over all predicted tokens; returns it.
 
-    Gradients are accumulated sequence by sequence (batch size 1, as in `score`), each scaled by
-    its share of the tokens, so the step equals one on the token-mean loss. World size 1 only:
-    no data-parallel gradient reduction is done.
+    isoexec model: packed forwards (micro-batches of <= `max_tokens`), gradients accumulated,
+    each scaled by its share of the tokens. Native: one sequence per forward. Either way the
+    step equals one on the token-mean loss. World size 1 only: no data-parallel reduction.
     """
     import torch.distributed as dist
 
@@ -97,18 +217,29 @@ def train_step(
     total = sum(ids.numel() - 1 for ids in all_ids)
     if total == 0:
         raise ValueError("train_step needs at least one sequence of >= 2 tokens")
+    iso = is_isoexec(model)
+    if not iso and max_tokens is not None:
+        raise ValueError("max_tokens packs sequences: isoexec models only")
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
-    for ids in all_ids:
-        if ids.numel() < 2:
-            continue
-        lp = _forward_logprobs(model, ids)
-        loss = -lp.sum() / total
-        loss.backward()
-        loss_sum += float(loss.detach())
+    if iso:
+        kept = [ids for ids in all_ids if ids.numel() >= 2]
+        for pack in _packs([int(i.numel()) for i in kept], max_tokens):
+            lps = packed_logprobs(model, [kept[i] for i in pack])
+            loss = -torch.cat(lps).sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+    else:
+        for ids in all_ids:
+            if ids.numel() < 2:
+                continue
+            lp = _forward_logprobs(model, ids, 1.0)
+            loss = -lp.sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
     optimizer.step()
     return loss_sum
 
 
-__all__ = ["TokenSeq", "score", "token_logprobs", "train_step"]
+__all__ = ["TokenSeq", "is_isoexec", "packed_logprobs", "score", "token_logprobs", "train_step"]

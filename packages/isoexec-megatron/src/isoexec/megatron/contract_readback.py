@@ -1,0 +1,185 @@
+"""Read back what a live Megatron `GPTModel` runs at every op site, and its contract.
+
+Built from the modules actually in the model, not from the spec that was asked for: a module
+declares its canonical op with `isoexec_impl` / `isoexec_impls` (see `canonical_modules`);
+anything else is recorded as `native:<class>`. A site with no module is an error, and so is
+a model that would apply RoPE twice. Site names are `isoexec.contract.sites.model_sites`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from isoexec.contract.contract import BackendIdentity, Contract
+from isoexec.contract.impl import ImplInfo
+from isoexec.contract.model_contract import contract_for
+from isoexec.contract.sites import model_sites
+from isoexec.megatron.hf_config import HFConfigSource, ModelArch, _read_source, load_hf_config
+
+
+class SiteNotFoundError(RuntimeError):
+    """The model has no module for a site of its config (wrong model or unknown layout)."""
+
+
+class SiteNotInstalledError(RuntimeError):
+    """isoexec mode, but a site still runs a native kernel: refused, never silently kept."""
+
+
+# site suffix after "layers.{i}." -> Megatron module path after "decoder.layers.{i}."
+_LAYER_PATHS: dict[str, str] = {
+    "input_norm": "input_layernorm",
+    "self_attn.qkv_proj": "self_attention.linear_qkv",
+    "self_attn.q_norm": "self_attention.q_layernorm",
+    "self_attn.k_norm": "self_attention.k_layernorm",
+    "self_attn.core": "self_attention.core_attention",
+    "self_attn.o_proj": "self_attention.linear_proj",
+    "post_attention_norm": "pre_mlp_layernorm",
+    "mlp.gate_up_proj": "mlp.linear_fc1",
+    "mlp.down_proj": "mlp.linear_fc2",
+    "mlp.router": "mlp.router",
+    "mlp.experts": "mlp.experts",
+}
+_TOP_PATHS = {"final_norm": "decoder.final_layernorm", "lm_head": "output_layer"}
+
+
+def hf_config_dict(arch: ModelArch) -> dict[str, Any]:
+    """The HF config fields `model_sites` reads, rebuilt from a `ModelArch` (for checks made
+    at build time, where only the parsed architecture is at hand)."""
+    cfg: dict[str, Any] = {
+        "architectures": [arch.architecture],
+        "num_hidden_layers": arch.num_layers,
+    }
+    if arch.moe is not None:
+        cfg["num_experts"] = arch.moe.num_experts
+        cfg["mlp_only_layers"] = [i for i, m in enumerate(arch.moe_layers) if not m]
+    return cfg
+
+
+def _declared(obj: Any, op: str) -> ImplInfo | None:
+    impls = getattr(obj, "isoexec_impls", None)
+    if impls and op in impls:
+        return impls[op]
+    impl = getattr(obj, "isoexec_impl", None)
+    if isinstance(impl, ImplInfo) and impl.op == op:
+        return impl
+    return None
+
+
+def _impl_of(obj: Any, op: str) -> ImplInfo:
+    return _declared(obj, op) or ImplInfo.native(op, type(obj).__name__)
+
+
+def _lookup(modules: Mapping[str, Any], path: str, site: str) -> Any:
+    if path not in modules:
+        raise SiteNotFoundError(f"site {site}: Megatron module {path!r} not found")
+    return modules[path]
+
+
+def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, ImplInfo]:
+    modules = dict(model.named_modules())
+    rotary = getattr(model, "rotary_pos_emb", None)
+    out: dict[str, ImplInfo] = {}
+    for site in model_sites(hf_config):
+        name, op = site.name, site.op
+        if name == "logprobs":
+            out[name] = _impl_of(model, op)
+            continue
+        if name in _TOP_PATHS:
+            out[name] = _impl_of(_lookup(modules, _TOP_PATHS[name], name), op)
+            continue
+        _, idx, rest = name.split(".", 2)
+        prefix = f"decoder.layers.{idx}"
+        if rest == "self_attn.rope":
+            core = _lookup(modules, f"{prefix}.self_attention.core_attention", name)
+            declared = _declared(core, op)
+            if declared is not None and rotary is not None:
+                raise SiteNotFoundError(
+                    f"site {name}: both the core attention ({type(core).__name__}) and the "
+                    f"model's {type(rotary).__name__} apply RoPE"
+                )
+            if declared is None and rotary is None:
+                raise SiteNotFoundError(f"site {name}: no module applies RoPE")
+            out[name] = declared or ImplInfo.native(op, type(rotary).__name__)
+        elif rest == "mlp.act":
+            mlp = _lookup(modules, f"{prefix}.mlp", name)
+            act = getattr(mlp, "activation_func", None)
+            out[name] = _impl_of(act if isinstance(act, torch.nn.Module) else mlp, op)
+        elif rest in _LAYER_PATHS:
+            out[name] = _impl_of(_lookup(modules, f"{prefix}.{_LAYER_PATHS[rest]}", name), op)
+        else:
+            raise SiteNotFoundError(f"site {name}: no Megatron mapping (architecture not wired)")
+    return out
+
+
+def _check_model(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> None:
+    arch = getattr(model, "isoexec_arch", None)
+    if not isinstance(arch, ModelArch):
+        raise TypeError("expected a model from isoexec.megatron.build_model (no .isoexec_arch)")
+    given = load_hf_config(hf_config)
+    if given != arch:
+        raise ValueError(
+            f"HF config ({given.architecture}, {given.num_layers} layers) is not the config the "
+            f"model was built from ({arch.architecture}, {arch.num_layers} layers)"
+        )
+
+
+def read_sites(model: torch.nn.Module, hf_config: HFConfigSource) -> dict[str, ImplInfo]:
+    """Site name → ImplInfo actually running there, in model order."""
+    cfg = _read_source(hf_config)
+    _check_model(model, cfg)
+    return _read(model, cfg)
+
+
+def verify_installed(model: torch.nn.Module) -> None:
+    """Raise `SiteNotInstalledError` naming every site of an isoexec model left native."""
+    arch = getattr(model, "isoexec_arch", None)
+    if not isinstance(arch, ModelArch):
+        raise TypeError("expected a model from isoexec.megatron.build_model (no .isoexec_arch)")
+    native = [n for n, i in _read(model, hf_config_dict(arch)).items() if i.is_native]
+    if native:
+        shown = ", ".join(native[:6]) + (" …" if len(native) > 6 else "")
+        raise SiteNotInstalledError(
+            f"isoexec model has {len(native)} site(s) not running a canonical op: {shown}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype | str) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def trainer_contract(
+    model: torch.nn.Module,
+    hf_config: HFConfigSource,
+    dtype: torch.dtype | str | None = None,
+    *,
+    backend: BackendIdentity | None = None,
+) -> Contract:
+    """The trainer's execution contract, read back from the live model.
+
+    `dtype` (torch dtype or its name) defaults to the model's parameter dtype; a different one
+    is refused. Identity, dtypes and backend come from `isoexec.contract.model_contract`, the
+    rules the engine uses.
+    """
+    cfg = _read_source(hf_config)
+    sites = read_sites(model, cfg)
+    param_dtypes = {p.dtype for p in model.parameters()}
+    if len(param_dtypes) != 1:
+        raise ValueError(f"model parameters have mixed dtypes {sorted(map(str, param_dtypes))}")
+    model_dtype = _dtype_name(next(iter(param_dtypes)))
+    if dtype is not None and _dtype_name(dtype) != model_dtype:
+        raise ValueError(f"dtype {_dtype_name(dtype)} but the model's parameters are {model_dtype}")
+    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
+    return contract_for(cfg, model_dtype, sites, tp_size=tp, backend=backend)
+
+
+__all__ = [
+    "SiteNotFoundError",
+    "SiteNotInstalledError",
+    "hf_config_dict",
+    "read_sites",
+    "trainer_contract",
+    "verify_installed",
+]
