@@ -9,8 +9,9 @@ parameters (a different contract), and `REGISTRY` maps op name -> canonical `Imp
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
-from types import MappingProxyType
+from types import MappingProxyType, ModuleType
 
 from ..impl import ImplInfo, source_fingerprint
 from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
@@ -142,17 +143,49 @@ def get_impl(op: str, **params: object) -> ImplInfo:
 
 REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})
 
+# Backends of the same ops: same function names and signatures, different bits, so a site
+# records which one it runs (`get_backend_impl`) and the contract tells them apart.
+BACKENDS = (BACKEND, "triton")
+
+
+def backend_ops(backend: str = BACKEND) -> ModuleType:
+    """The module whose functions (`linear`, `rms_norm`, ...) implement the ops on `backend`.
+
+    "triton" imports `isoexec.contract.ops.triton` lazily (it needs the triton package)."""
+    if backend == BACKEND:
+        return sys.modules[__name__]
+    if backend == "triton":
+        from . import triton as triton_ops
+
+        return triton_ops
+    raise KeyError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
+
+
+def get_backend_impl(op: str, backend: str = BACKEND, **params: object) -> ImplInfo:
+    """ImplInfo of `op` on `backend` (what a site running that backend's kernel records)."""
+    if backend == BACKEND:
+        return get_impl(op, **params)
+    if backend == "triton":
+        from .triton import get_triton_impl
+
+        return get_triton_impl(op, **params)
+    raise KeyError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
+
+
 __all__ = [
     "BACKEND",
+    "BACKENDS",
     "REGISTRY",
     "apply_rope",
     "attention_paged",
     "attention_varlen",
+    "backend_ops",
     "combine_leaf_stats",
     "gated_rms_norm",
     "gather_paged_kv",
     "gdn_conv",
     "gdn_recurrence",
+    "get_backend_impl",
     "get_impl",
     "linear",
     "linear_tp_invariant",

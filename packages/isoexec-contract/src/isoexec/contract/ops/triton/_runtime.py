@@ -1,0 +1,114 @@
+"""Plumbing shared by the Triton kernels: where they may run, and their backward passes.
+
+Why a torch backward: only forward logprobs must be bitwise; gradients need to be correct.
+The backward of every Triton op recomputes the torch canonical op under autograd and
+back-propagates through it, so each kernel needs no hand-written backward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import triton
+import triton.language as tl
+from triton import knobs
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on CPU (TRITON_INTERPRET=1 set before importing triton)."""
+    return bool(knobs.runtime.interpret)
+
+
+def check_device(t: torch.Tensor) -> None:
+    """CPU tensors only work under the interpreter; say so instead of a cryptic launch error."""
+    if t.device.type == "cpu" and not interpreting():
+        raise RuntimeError(
+            "isoexec Triton kernels got CPU tensors but Triton is not in interpreter mode: "
+            "set TRITON_INTERPRET=1 before triton is first imported, or use CUDA tensors"
+        )
+
+
+def pow2(n: int) -> int:
+    return int(triton.next_power_of_2(max(1, int(n))))
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs: exact IEEE fp32 products. bf16/fp16 inputs are upcast to fp32 in the
+    kernel; their mantissas fit TF32's 10 bits, so a TF32 MMA multiplies them exactly."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _to_bf16_rne(x):
+    # Triton's interpreter truncates fp32 -> bf16 (and ignores `fp_downcast_rounding`); the
+    # GPU rounds to nearest-even. Integer maths gives torch's rounding on both.
+    b = x.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+    r = tl.where(x != x, 0x7FC0, r)  # NaN stays a (quiet) NaN
+    return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def rounded_like(x, ptrs):
+    """fp32 `x` rounded once, to nearest-even, to the pointers' dtype (as an fp32 value)."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        return _to_bf16_rne(x).to(tl.float32)
+    else:
+        return x.to(ptrs.dtype.element_ty).to(tl.float32)
+
+
+@triton.jit
+def store_rounded(ptrs, x, mask):
+    """Store fp32 `x` rounded once, to nearest-even, to the pointers' dtype."""
+    if ptrs.dtype.element_ty == tl.bfloat16:
+        tl.store(ptrs, _to_bf16_rne(x), mask=mask)
+    else:
+        tl.store(ptrs, x.to(ptrs.dtype.element_ty), mask=mask)
+
+
+class _TorchBackward(torch.autograd.Function):
+    """Forward: the Triton kernel. Backward: autograd through the torch canonical op."""
+
+    @staticmethod
+    def forward(ctx, run: Callable[..., object], ref: Callable[..., object], *tensors):  # type: ignore[override]
+        ctx.ref = ref
+        ctx.save_for_backward(*tensors)
+        out = run(*tensors)
+        outs = out if isinstance(out, tuple) else (out,)
+        ctx.is_tuple = isinstance(out, tuple)
+        ctx.mark_non_differentiable(*[o for o in outs if not o.is_floating_point()])
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[override]
+        saved = ctx.saved_tensors
+        ins = [
+            None if t is None else t.detach().requires_grad_(bool(ctx.needs_input_grad[2 + i]))
+            for i, t in enumerate(saved)
+        ]
+        with torch.enable_grad():
+            out = ctx.ref(*ins)
+        outs = out if isinstance(out, tuple) else (out,)
+        pairs = [
+            (o, g) for o, g in zip(outs, grads, strict=True) if g is not None and o.requires_grad
+        ]
+        wanted = [t for t in ins if t is not None and t.requires_grad]
+        got: Sequence[torch.Tensor | None] = ()
+        if pairs and wanted:
+            got = torch.autograd.grad(
+                [o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True
+            )
+        it = iter(got)
+        res = [next(it, None) if t is not None and t.requires_grad else None for t in ins]
+        return (None, None, *res)
+
+
+def with_torch_backward(
+    run: Callable[..., object], ref: Callable[..., object], *tensors: torch.Tensor | None
+) -> object:
+    """`run(*tensors)` (Triton), differentiable through `ref(*tensors)` (torch canonical)."""
+    needs = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    if not needs:
+        return run(*tensors)
+    return _TorchBackward.apply(run, ref, *tensors)

@@ -1,0 +1,190 @@
+"""Triton linear: fixed output tiles, one program per tile, K walked in one fixed order.
+
+Why: a row's bits must not depend on M. Every program computes one BLOCK_M x BLOCK_N tile
+and walks K in BLOCK_K steps from 0 upwards into one fp32 accumulator (no split-K, no
+atomics), so a row's result depends only on its own inputs and the fixed tile constants;
+M only changes how many programs run. M is never a specialisation key
+(`do_not_specialize`), so M=1 compiles to the same code as M=4096. Loads are upcast to
+fp32 (bf16 mantissas fit TF32, so the MMA multiplies them exactly); one rounding at the end.
+
+The TP-invariant variant runs the same kernel per fixed K-leaf (fp32 out) and sums the
+leaves with the torch canonical fixed binary tree (elementwise IEEE adds: same bits on
+every backend).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import gemm as _torch_gemm
+from ._runtime import check_device, dot_precision, store_rounded, with_torch_backward
+
+BLOCK_M = 64
+BLOCK_N = 64
+BLOCK_K = 32
+DEFAULT_TP_LEAVES = _torch_gemm.DEFAULT_TP_LEAVES
+
+
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    m_ok = rm < M
+    n_ok = rn < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(
+            x_ptr + rm[:, None] * stride_xm + kk[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_wn + kk[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    store_rounded(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, m_ok[:, None] & n_ok[None, :])
+
+
+def gemm(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    *,
+    out_dtype: torch.dtype | None = None,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """`x2 @ weight.T` for x2 [M, K], weight [N, K] (no autograd); out in x2's dtype or
+    `out_dtype` (fp32 for un-rounded partials)."""
+    check_device(x2)
+    x2 = x2.contiguous()
+    weight = weight.contiguous()
+    m, k = x2.shape
+    n = weight.shape[0]
+    y = torch.empty(m, n, dtype=out_dtype or x2.dtype, device=x2.device)
+    if m == 0:
+        return y
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _linear_kernel[grid](
+        x2,
+        weight,
+        y,
+        m,
+        n,
+        k,
+        x2.stride(0),
+        weight.stride(0),
+        y.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=dot_precision(x2.dtype),
+    )
+    return y
+
+
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    block_m: int = BLOCK_M,
+    block_n: int = BLOCK_N,
+    block_k: int = BLOCK_K,
+) -> torch.Tensor:
+    """Row-invariant `x @ weight.T (+ bias)` for x [..., K], weight [N, K].
+
+    Same contract as the torch canonical `linear`: bias added after the single rounding, in
+    x's dtype. Backward: the torch canonical op's (correct, not bitwise).
+    """
+    if weight.dtype != x.dtype:
+        raise TypeError(f"linear: x {x.dtype} and weight {weight.dtype} differ")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+
+    def run(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return gemm(a, w, block_m=block_m, block_n=block_n, block_k=block_k)
+
+    y = with_torch_backward(run, _torch_gemm.linear, x2, weight)
+    y = y.reshape(*lead, weight.shape[0])
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y
+
+
+def tp_leaf_partials(
+    x_shard: torch.Tensor, weight_shard: torch.Tensor, *, leaves: int
+) -> torch.Tensor:
+    """fp32 partial products [leaves, M, N] of `leaves` equal K-leaves of one K-shard."""
+    x2 = x_shard.reshape(-1, x_shard.shape[-1]).float()
+    w = weight_shard.float()
+    k = x2.shape[1]
+    if k % leaves:
+        raise ValueError(f"K-shard {k} not divisible by {leaves} leaves")
+    kl = k // leaves
+    return torch.stack(
+        [
+            gemm(x2[:, i * kl : (i + 1) * kl], w[:, i * kl : (i + 1) * kl], out_dtype=torch.float32)
+            for i in range(leaves)
+        ]
+    )
+
+
+def tp_linear_from_shards(
+    x_shards: list[torch.Tensor],
+    weight_shards: list[torch.Tensor],
+    bias: torch.Tensor | None = None,
+    *,
+    leaves: int = DEFAULT_TP_LEAVES,
+) -> torch.Tensor:
+    """Row-parallel linear from TP K-shards (rank order): gather leaves, tree-sum, round.
+
+    Forward only (the TP path is for scoring; training uses `linear`)."""
+    tp = len(x_shards)
+    if leaves % tp:
+        raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
+    parts = torch.cat(
+        [
+            tp_leaf_partials(xs, ws, leaves=leaves // tp)
+            for xs, ws in zip(x_shards, weight_shards, strict=True)
+        ]
+    )
+    y = _torch_gemm.tp_tree_sum(parts)
+    if bias is not None:
+        y = y + bias.float()
+    x0 = x_shards[0]
+    return y.to(x0.dtype).reshape(*x0.shape[:-1], weight_shards[0].shape[0])
+
+
+def linear_tp_invariant(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    leaves: int = DEFAULT_TP_LEAVES,
+) -> torch.Tensor:
+    """TP-invariant linear: equals `tp_linear_from_shards` for any TP dividing `leaves`."""
+    return tp_linear_from_shards([x], [weight], bias, leaves=leaves)
