@@ -75,7 +75,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
         (elementwise, _torch_rope, _torch_pointwise),
     ),
     "silu_mul": (
-        "isoexec.silu_mul.triton",
+        "isoexec.silu_mul.triton_fp32",
         1,
         {"accum": "fp32", "block": elementwise.SILU_BLOCK},
         (elementwise,),
