@@ -426,11 +426,21 @@ DTYPES = (torch.float32, torch.bfloat16)
 
 
 def run_all(
-    device: str, *, scale: int = 1, dtypes: Sequence[torch.dtype] = DTYPES
+    device: str,
+    *,
+    scale: int = 1,
+    dtypes: Sequence[torch.dtype] = DTYPES,
+    only: Sequence[str] | None = None,
 ) -> list[CheckResult]:
-    """Every check at every dtype; an exception becomes a failed result, not a crash."""
+    """Every check (or those in `only`) at every dtype; an exception becomes a failed
+    result, not a crash."""
+    unknown = set(only or ()) - set(CHECKS)
+    if unknown:
+        raise KeyError(f"unknown checks {sorted(unknown)}; known: {list(CHECKS)}")
     out = []
     for name, fn in CHECKS.items():
+        if only is not None and name not in only:
+            continue
         for dt in dtypes:
             try:
                 out.append(fn(device, dt, scale))
