@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 
 import pytest
+
+from isoexec.contract.contract import Contract
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
 pytestmark = pytest.mark.engine
@@ -34,3 +37,29 @@ def test_engine_start_failure_leaves_nothing(tmp_path) -> None:
     from isoexec.vllm import engine_process
 
     assert not engine_process._LIVE_GROUPS
+
+
+def test_isoexec_multiprocess_engine_matches_in_process(
+    tiny_dense_dir: str, engine_pool: Callable[..., EngineProcess]
+) -> None:
+    """The plugin installs in vLLM's EngineCore process too: same sites, same bits."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
+    inproc = engine_pool(model=tiny_dense_dir, isoexec=True)
+    mp_cfg = EngineConfig(model=tiny_dense_dir, isoexec=True, multiprocessing=True)
+    with EngineProcess(mp_cfg) as mp:
+        contract = Contract.from_bytes(mp.call("contract"))
+        got = [o.prompt_logprobs for o in mp.generate(prompts, spec)]
+    assert contract.to_bytes() == inproc.call("contract")
+    assert not contract.native_sites
+    assert got == [o.prompt_logprobs for o in inproc.generate(prompts, spec)]
+
+
+def test_isoexec_off_leaves_vllm_untouched(
+    tiny_dense_dir: str, engine_pool: Callable[..., EngineProcess]
+) -> None:
+    """ISOEXEC unset: every site reads back as vLLM's own class."""
+    sites = dict(engine_pool(model=tiny_dense_dir, isoexec=False).call("sites"))
+    assert all(impl[1].startswith("native:") for impl in sites.values()), sites
+    assert sites["layers.0.self_attn.core"][1] == "native:CPUAttentionBackendImpl"
+    assert sites["logprobs"][1] == "native:Sampler"
