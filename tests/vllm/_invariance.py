@@ -53,41 +53,49 @@ def observations(
     whole = engine_pool(**common)
     p = prompt(1, PROMPT_LEN, vocab)
     others = [prompt(2 + i, n, vocab) for i, n in enumerate(OTHER_LENS)]
-    if prefix_caching:
-        whole.call("reset_prefix_cache")
     obs = {"alone": prompt_logprobs(whole, [p], 0)}
-    if prefix_caching:
-        obs["prefix_cache_hit"] = prompt_logprobs(whole, [p], 0)  # first block is cached
     obs["co_batched"] = prompt_logprobs(whole, [others[0], p, others[1], others[2]], 1)
     if chunked_prefill:
         chunked = engine_pool(**common, max_num_batched_tokens=CHUNK_BUDGET)
-        if prefix_caching:
-            chunked.call("reset_prefix_cache")
         obs["chunked_prefill"] = prompt_logprobs(chunked, [p], 0)
     # decode == prefill: greedy-decode 6 tokens, then score prompt+tokens as a prompt
-    (gen,) = whole.generate([p], SamplingSpec(max_tokens=6, temperature=0.0))
+    greedy = SamplingSpec(max_tokens=6, temperature=0.0)
+    if prefix_caching:
+        whole.call("reset_prefix_cache")
+    (gen,) = whole.generate([p], greedy)
     obs["decode"] = obs["alone"] + gen.logprobs
     obs["prefill_of_decoded"] = prompt_logprobs(whole, [p + gen.token_ids], 0)
-    # decode co-batched with prefills of other prompts (mixed decode/prefill steps)
-    gens = whole.generate([p, *others], SamplingSpec(max_tokens=6, temperature=0.0))
+    if prefix_caching:
+        # vLLM never *reads* the prefix cache for a request that asks for prompt logprobs
+        # (`skip_reading_prefix_cache`), so the cache hit is observed on a decode: the same
+        # greedy request again, now reusing the prompt's first full block (and, for GDN,
+        # the recurrent state stored at that block boundary).
+        (hit,) = whole.generate([p], greedy)
+        obs["decode_prefix_cache_hit"] = obs["alone"] + hit.logprobs
+    # decode co-batched with other requests' prefills and decodes
+    gens = whole.generate([p, *others], greedy)
     obs["decode_co_batched"] = obs["alone"] + gens[0].logprobs
+    if chunked_prefill:
+        # mixed steps: p's decodes share steps with chunks of a longer prompt's prefill
+        gens = chunked.generate([p, others[2]], greedy)
+        obs["decode_chunked_mixed"] = obs["alone"] + gens[0].logprobs
     return obs
 
 
 def differences(obs: dict[str, list[float]]) -> dict[str, int]:
     """Per situation: how many logprobs differ (bitwise) from the reference."""
-    ref = obs["alone"]
-    paired = ("alone", "decode", "prefill_of_decoded", "decode_co_batched")
+    ref, dec = obs["alone"], obs["decode"]
     diffs = {
-        name: sum(a != b for a, b in zip(ref, vals[: len(ref)], strict=True))
-        for name, vals in obs.items()
-        if name not in paired
+        name: sum(a != b for a, b in zip(ref, obs[name], strict=True))
+        for name in ("co_batched", "chunked_prefill")
+        if name in obs
     }
-    dec, pre = obs["decode"], obs["prefill_of_decoded"]
-    diffs["decode_vs_prefill"] = sum(a != b for a, b in zip(dec, pre, strict=True))
-    diffs["decode_co_batched"] = sum(
-        a != b for a, b in zip(dec, obs["decode_co_batched"], strict=True)
+    diffs["decode_vs_prefill"] = sum(
+        a != b for a, b in zip(dec, obs["prefill_of_decoded"], strict=True)
     )
+    for name in ("decode_prefix_cache_hit", "decode_co_batched", "decode_chunked_mixed"):
+        if name in obs:
+            diffs[name] = sum(a != b for a, b in zip(dec, obs[name], strict=True))
     return diffs
 
 

@@ -15,12 +15,14 @@ def install_plugin() -> None:
     if _INSTALLED:
         return
     from isoexec.vllm.attention import register_attention
+    from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.moe import register_moe
     from isoexec.vllm.sampler import install_sampler
 
     register_layers()
     register_moe()
+    register_gdn()
     register_attention()
     install_sampler()
     _INSTALLED = True

@@ -1,0 +1,265 @@
+"""Qwen3-Next on vLLM CPU: Gated DeltaNet layers and the gated full-attention output.
+
+Stock vLLM CPU runs GDN through `cpu_gdn_attention_core` (bf16 only, head dim 64/128 only, a
+chunked prefill kernel that never matches the recurrent decode bitwise). IsoExec runs each
+request of a step on its own, in token order, through the canonical ops:
+
+    in_proj_qkvz, in_proj_ba (canonical linears) -> split heads -> `ops.gdn_conv` (explicit
+    shifted sum over [conv state | new inputs]) -> `ops.gdn_recurrence` (token-serial, fp32
+    state) -> `ops.gated_rms_norm` -> out_proj (canonical linear)
+
+A chunk of a prefill, a whole prefill and a decode step are then the same computation,
+continued from the stored states. IsoExec owns both reading and writing the GDN state cache
+(`GDNStateCache`): conv state `[slot, kernel-1, channels]` (last raw pre-conv inputs, model
+dtype; vLLM's "DS" layout is read through a transposed view) and recurrent state in vLLM's
+*declared* layout `[slot, HV, V, K]`, fp32 (the stock CPU kernel reinterprets it as
+`[slot, HV, K, V]`; IsoExec never shares the cache with that kernel).
+
+Qwen3-Next's full-attention layers gate their output with `sigmoid(gate)` inline in the
+model code; `IsoQwen3NextAttention` does the same with the position-invariant sigmoid.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo, source_fingerprint
+from isoexec.contract.ops import _pointwise as pw
+from isoexec.vllm.layers import UnsupportedSiteError
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.custom_op import CustomOp, PluggableLayer
+from vllm.model_executor.layers.layernorm import RMSNormGated
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+
+
+def attn_output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`out * sigmoid(gate)` in the model dtype (as HF Qwen3-Next), sigmoid position-invariant."""
+    return out * pw.sigmoid(gate)
+
+
+# Not an op of the contract registry (yet): described here so the contract still records it.
+ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
+    "attn_output_gate",
+    "isoexec.attn_output_gate.sigmoid_mul",
+    1,
+    ops.BACKEND,
+    {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
+    source_fingerprint(attn_output_gate, pw.pointwise, pw.padded_length),
+)
+
+
+# ---- gated output norm -----------------------------------------------------------------------
+class IsoRMSNormGated(RMSNormGated):
+    """`norm(x) * w * silu(z)` in fp32, one rounding (`ops.gated_rms_norm`)."""
+
+    isoexec_impl: ImplInfo = ops.get_impl("gated_rms_norm")
+
+    def dispatch_forward(self, compile_native: bool) -> Any:
+        return self._canonical
+
+    def _canonical(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
+        if z is None or self.group_size is not None or not self.norm_before_gate:
+            raise UnsupportedSiteError("canonical gated norm is norm(x) * w * silu(z) per row")
+        if self.activation not in ("silu", "swish"):
+            raise UnsupportedSiteError(f"gated norm activation {self.activation!r}")
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+# ---- GDN state cache -------------------------------------------------------------------------
+class GDNStateCache:
+    """IsoExec's view of one GDN layer's `kv_cache` pair (conv state, recurrent state)."""
+
+    def __init__(self, kv_cache: Any, kernel: int) -> None:
+        conv, ssm = kv_cache[0], kv_cache[1]
+        # vLLM may store the conv state as (dim, state_len) per slot ("DS"); view it as SD.
+        self.conv = conv.transpose(-1, -2) if is_conv_state_dim_first() else conv
+        if self.conv.shape[1] != kernel - 1:
+            raise UnsupportedSiteError(
+                f"conv state holds {self.conv.shape[1]} steps, expected {kernel - 1} "
+                "(speculative decoding widens it: not supported)"
+            )
+        if ssm.dtype != torch.float32:
+            raise UnsupportedSiteError(
+                f"recurrent state dtype {ssm.dtype}: IsoExec pins fp32 "
+                "(mamba_ssm_cache_dtype=bfloat16 rounds the state at every step)"
+            )
+        self.ssm = ssm  # [slot, HV, V, K]
+
+    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv state [W-1, C], recurrent state [HV, K, V] fp32) of one slot."""
+        return self.conv[slot], self.ssm[slot].transpose(-1, -2)
+
+    def write(self, slot: int, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv[slot] = conv.to(self.conv.dtype)
+        self.ssm[slot] = state.transpose(-1, -2)
+
+
+# ---- the GDN layer ---------------------------------------------------------------------------
+class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
+    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {
+        "gdn_conv": ops.get_impl("gdn_conv"),
+        "gdn_recurrence": ops.get_impl("gdn_recurrence"),
+    }
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The stock forward is bound per platform in the constructor; replace the binding.
+        self._forward_method = self._canonical_forward
+        problems = []
+        if self.num_spec:
+            problems.append("speculative decoding")
+        if self.activation != "silu":
+            problems.append(f"conv activation {self.activation!r}")
+        if self.conv1d.bias is not None:
+            problems.append("conv bias")
+        conv_dtype, ssm_dtype = self.get_state_dtype()
+        if conv_dtype != self.model_config.dtype:
+            problems.append(f"conv state dtype {conv_dtype} (model {self.model_config.dtype})")
+        if ssm_dtype != torch.float32:
+            problems.append(f"recurrent state dtype {ssm_dtype} (IsoExec pins fp32)")
+        if problems:
+            raise UnsupportedSiteError(
+                f"GDN {self.prefix!r}: canonical GDN does not support: " + ", ".join(problems)
+            )
+
+    def _split_projections(
+        self, mixed_qkvz: torch.Tensor, ba: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(mixed_qkv [T, conv_dim], z [T, HV, V], b [T, HV], a [T, HV]): pure data movement."""
+        if self.gqa_interleaved_layout:  # Qwen3-Next: per key-head group [q|k|v..|z..], [b|a]
+            q, k, v, z, b, a = self.fix_query_key_value_ordering(mixed_qkvz, ba)
+            t = mixed_qkvz.shape[0]
+            mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], -1)
+            return mixed_qkv, z, b, a
+        qkv_size = (self.key_dim * 2 + self.value_dim) // self.tp_size
+        mixed_qkv, z = mixed_qkvz.split([qkv_size, self.value_dim // self.tp_size], dim=-1)
+        b, a = self.split_ba(ba)
+        return mixed_qkv, z.reshape(z.shape[0], -1, self.head_v_dim), b, a
+
+    def _canonical_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "in_proj_qkv"):
+            raise UnsupportedSiteError("GDN with split in_proj_qkv/in_proj_z (LoRA) on CPU")
+        mixed_qkvz, _ = self.in_proj_qkvz(hidden_states)
+        ba, _ = self.in_proj_ba(hidden_states)
+        mixed_qkv, z, b, a = self._split_projections(mixed_qkvz, ba)
+        core = torch.zeros(
+            hidden_states.shape[0],
+            self.num_v_heads // self.tp_size,
+            self.head_v_dim,
+            dtype=hidden_states.dtype,
+            device=hidden_states.device,
+        )
+        self._canonical_core(mixed_qkv, b, a, core)
+        return self._output_projection(core, z)
+
+    def _canonical_core(
+        self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor
+    ) -> None:
+        """Conv + recurrence per request, continuing from (and updating) its stored state."""
+        metadata = get_forward_context().attn_metadata
+        if metadata is None:  # profiling / warm-up run
+            return
+        md = metadata[self.prefix]
+        if md.num_actual_tokens == 0:
+            return
+        if md.num_spec_decodes or md.spec_sequence_masks is not None:
+            raise UnsupportedSiteError("speculative decoding in a GDN step")
+        if md.checkpoint is not None:
+            raise UnsupportedSiteError("mid-prefill GDN state checkpoints (prefix caching)")
+        cache = GDNStateCache(self.kv_cache, self.conv_kernel_size)
+        starts = md.non_spec_query_start_loc.tolist()
+        slots = md.non_spec_state_indices_tensor.tolist()
+        n_req = md.num_decodes + md.num_prefills
+        has_init = [True] * n_req
+        if md.has_initial_state is not None:  # prefills present: per request
+            has_init = [bool(h) for h in md.has_initial_state.tolist()[:n_req]]
+        conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)  # [C, W]
+        hk, hv = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
+        kd, vd = self.head_k_dim, self.head_v_dim
+        for r in range(n_req):
+            s, e = starts[r], starts[r + 1]
+            if e == s:
+                continue
+            conv_state, state = cache.read(slots[r]) if has_init[r] else (None, None)
+            y, new_conv = ops.gdn_conv(mixed_qkv[s:e], conv_w, conv_state)
+            q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
+            o, new_state = ops.gdn_recurrence(
+                q.reshape(e - s, hk, kd),
+                k.reshape(e - s, hk, kd),
+                v.reshape(e - s, hv, vd),
+                a[s:e],
+                b[s:e],
+                self.A_log,
+                self.dt_bias,
+                state,
+            )
+            core[s:e] = o.to(core.dtype)
+            cache.write(slots[r], new_conv, new_state)
+
+
+# ---- Qwen3-Next gated full attention ---------------------------------------------------------
+class IsoQwen3NextAttention(Qwen3NextAttention):
+    """Qwen3-Next attention whose output gate is position-invariant.
+
+    The projections, q/k norms, RoPE and attention are IsoExec's already (they are vLLM layers
+    registered out of tree); only the inline `attn_output * torch.sigmoid(gate)` is not.
+    """
+
+    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {"attn_output_gate": ATTN_OUTPUT_GATE_IMPL}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.use_fused_qk_norm_rope_gate:
+            raise UnsupportedSiteError("fused qk-norm/rope/gate kernel is not canonical")
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        qkv, _ = self.qkv_proj(hidden_states)
+        q, k, v, gate = self._project_qkv_gate(qkv, positions)
+        attn_output = self.attn(q, k, v)
+        if gate is not None:
+            attn_output = attn_output_gate(attn_output, gate)
+        output, _ = self.o_proj(attn_output)
+        return output
+
+
+def _install_qwen3_next_attention() -> None:
+    """Make Qwen3-Next decoder layers build `IsoQwen3NextAttention`.
+
+    `Qwen3NextAttention` is a plain `nn.Module` (no CustomOp / PluggableLayer) and applies its
+    output gate inline, so vLLM has no extension point for it short of replacing the whole
+    model class. This rebinds the one module-global name the decoder layer constructs it
+    through, before any model is built (same technique as `sampler.install_sampler`).
+    """
+    import vllm.model_executor.models.qwen3_next as qwen3_next
+
+    qwen3_next.Qwen3NextAttention = IsoQwen3NextAttention  # type: ignore[misc]
+
+
+def register_gdn() -> None:
+    """Register the GDN layer, the gated norm and the attention gate. Before model build."""
+    PluggableLayer.register_oot(name="QwenGatedDeltaNetAttention")(IsoQwenGatedDeltaNetAttention)
+    CustomOp.register_oot(name="RMSNormGated")(IsoRMSNormGated)
+    _install_qwen3_next_attention()
+
+
+def worker_output_gates(worker: Any) -> dict[str, str]:
+    """`collective_rpc` callable: attention module path -> impl id of its output gate.
+
+    The gate has no contract site yet, so this is how tests see what is installed.
+    """
+    out = {}
+    for name, module in worker.model_runner.model.named_modules():
+        if isinstance(module, Qwen3NextAttention):
+            impls = getattr(module, "isoexec_impls", {})
+            impl = impls.get("attn_output_gate") or ImplInfo.native(
+                "attn_output_gate", type(module).__name__
+            )
+            out[name.removeprefix("model.")] = impl.impl_id
+    return out
