@@ -63,10 +63,13 @@ def run_arm(
 ) -> ArmResult:
     import torch
 
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.megatron import build_model, load_hf_weights, megatron_parallel, score
-    from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
+    from isoexec.megatron import (
+        build_model,
+        load_hf_weights,
+        megatron_parallel,
+        trainer_contract,
+    )
+    from isoexec.vllm.engine_process import EngineConfig, EngineProcess
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
@@ -78,30 +81,20 @@ def run_arm(
     with EngineProcess(engine_cfg) as engine, megatron_parallel():
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype)
         load_hf_weights(model, model_dir)
-        handshake = "n/a (stock arm)"
+        status = "n/a (stock arm)"
         if isoexec:
-            handshake = _handshake(
-                model, hf_config, dtype, engine, HandshakeServer, HandshakeClient
-            )
-        engine.call("reset_prefix_cache")
-        specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
-        completions = engine.generate(prompts, specs)
-        train_lps, engine_lps = [], []
-        for temp in TEMPERATURES:
-            group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
-            scored = score(
-                model, [c.prompt_token_ids + c.token_ids for c in group], temperature=temp
-            )
-            for c, lp in zip(group, scored, strict=True):
-                train_lps.append(lp[-len(c.token_ids) :].float())
-                engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    train = torch.cat(train_lps)
-    eng = torch.cat(engine_lps)
+            contract = trainer_contract(model, hf_config, dtype)
+            trainer_verdict, engine_verdict = handshake(contract, engine)
+            trainer_verdict.raise_for_mismatch()
+            if engine_verdict["outcome"] != "MATCH":
+                raise RuntimeError(f"engine got {engine_verdict['outcome']}")
+            status = f"MATCH {contract.hash[:12]}"
+        train, eng = sample_and_score(engine, model, prompts, temps, max_tokens)
     diff = (train - eng).abs()
     ratio_dev = (torch.exp(train.double() - eng.double()) - 1).abs()
     return ArmResult(
         arm="isoexec" if isoexec else "stock",
-        handshake=handshake,
+        handshake=status,
         tokens=int(train.numel()),
         bitwise_equal=int((train == eng).sum()),
         max_abs_diff=float(diff.max()),
@@ -109,29 +102,60 @@ def run_arm(
     )
 
 
-def _handshake(
-    model: Any, hf_config: dict[str, Any], dtype: str, engine: Any, server_cls: Any, client_cls: Any
-) -> str:
-    """Trainer hosts the service; trainer rank 0 and the engine worker offer concurrently."""
-    from isoexec.megatron import trainer_contract
+def sample_and_score(
+    engine: Any,
+    model: Any,
+    prompts: list[list[int]],
+    temps: list[float],
+    max_tokens: int,
+) -> tuple[Any, Any]:
+    """Engine samples; trainer scores exactly the sampled sequences, each at its temperature.
 
-    contract = trainer_contract(model, hf_config, dtype)
+    Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
+    """
+    import torch
+
+    from isoexec.megatron import score
+    from isoexec.vllm.engine_process import SamplingSpec
+
+    engine.call("reset_prefix_cache")
+    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
+    completions = engine.generate(prompts, specs)
+    train_lps, engine_lps = [], []
+    for temp in sorted(set(temps)):
+        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
+        scored = score(model, [c.prompt_token_ids + c.token_ids for c in group], temperature=temp)
+        for c, lp in zip(group, scored, strict=True):
+            train_lps.append(lp[-len(c.token_ids) :].float())
+            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    return torch.cat(train_lps), torch.cat(engine_lps)
+
+
+def handshake(
+    trainer_contract: Any, engine: Any, run_id: str = "pair"
+) -> tuple[Any, dict[str, Any]]:
+    """The trainer hosts the service; trainer rank 0 and the engine worker offer concurrently.
+
+    Returns (trainer verdict, engine worker verdict); neither raises on MISMATCH.
+    """
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.server import HandshakeServer
+
     token = secrets.token_hex(16)
     verdicts: dict[str, Any] = {}
-    with server_cls({"trainer": 1, "engine": 1}, token) as server:
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
 
         def offer() -> None:
-            with client_cls(server.address, token) as client:
-                verdicts["trainer"] = client.offer("pair", "trainer", 0, contract)
+            with HandshakeClient(server.address, token) as client:
+                verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
 
         t = threading.Thread(target=offer)
         t.start()
-        (engine_verdict,) = engine.call("handshake", server.address, token, "pair")
-        t.join()
-    verdicts["trainer"].raise_for_mismatch()
-    if engine_verdict["outcome"] != "MATCH":
-        raise RuntimeError("engine got " + engine_verdict["outcome"])
-    return f"MATCH {contract.hash[:12]}"
+        try:
+            (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
+        finally:
+            t.join()
+    return verdicts["trainer"], engine_verdict
 
 
 def format_table(model: str, dtype: str, results: list[ArmResult]) -> str:

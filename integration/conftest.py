@@ -1,0 +1,43 @@
+"""Integration fixtures: one Megatron parallel context and one trainer model per (preset, dtype).
+
+Engines come from the root `engine_pool` (separate processes); the trainer runs in the pytest
+process; they talk over the real gRPC handshake on loopback.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@pytest.fixture(scope="session")
+def megatron_context() -> Iterator[None]:
+    from isoexec.megatron import megatron_parallel
+
+    with megatron_parallel():
+        yield
+
+
+@pytest.fixture(scope="session")
+def trainer_factory(megatron_context: None) -> Callable[..., Any]:
+    """(model_dir, dtype, isoexec) -> a Megatron model with the checkpoint's weights, cached."""
+    from isoexec.megatron import build_model, load_hf_weights
+
+    models: dict[tuple[str, str, bool], Any] = {}
+
+    def get(model_dir: str, dtype: str, isoexec: bool = True, fresh: bool = False) -> Any:
+        key = (model_dir, dtype, isoexec)
+        if fresh or key not in models:
+            model = build_model(model_dir, isoexec=isoexec, dtype=DTYPES[dtype])
+            load_hf_weights(model, model_dir)
+            if fresh:
+                return model
+            models[key] = model
+        return models[key]
+
+    return get
