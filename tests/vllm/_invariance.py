@@ -71,6 +71,7 @@ def observations(
         # greedy request again, now reusing the prompt's first full block (and, for GDN,
         # the recurrent state stored at that block boundary).
         (hit,) = whole.generate([p], greedy)
+        assert hit.num_cached_tokens >= 128, "the repeated request did not hit the prefix cache"
         obs["decode_prefix_cache_hit"] = obs["alone"] + hit.logprobs
     # decode co-batched with other requests' prefills and decodes
     gens = whole.generate([p, *others], greedy)

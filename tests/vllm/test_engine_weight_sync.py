@@ -10,11 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+
 from isoexec.contract.contract import Contract
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess, SamplingSpec
-from safetensors.torch import load_file, save_file
 
 pytestmark = pytest.mark.engine
 

@@ -60,6 +60,7 @@ class Completion:
     token_ids: list[int]
     logprobs: list[float]  # logprob of each sampled token (fp32 values, exact as Python floats)
     prompt_logprobs: list[float] | None  # for prompt tokens 1..n-1, when asked
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 class EngineError(RuntimeError):
@@ -249,7 +250,8 @@ class _Handler:
                     step[t].logprob
                     for t, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
                 ]
-            result.append(Completion(list(prompt), toks, lps, plps))
+            cached = int(getattr(out, "num_cached_tokens", 0) or 0)
+            result.append(Completion(list(prompt), toks, lps, plps, cached))
         return result
 
     def sites(self) -> list[tuple[str, tuple[Any, ...]]]:
