@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from isoexec.contract.tiny_models import make_tiny_model
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from isoexec.contract import ops
 
 HID, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 2816, 16, 4, 64, 32000

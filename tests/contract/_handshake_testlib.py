@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from _contract_testlib import TOKEN, make_contract
+
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake import HandshakeClient, HandshakeServer, Verdict
 from isoexec.contract.handshake._gen import handshake_pb2 as pb

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from isoexec.contract.backend import cpu_isa, detect_backend
 from isoexec.contract.fingerprint import WeightFingerprint, WeightFingerprinter, tensor_digest
 

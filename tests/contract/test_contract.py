@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from _contract_testlib import BACKEND, DTYPES, FP, MODEL, make_contract, site_impls
+
 from isoexec.contract.contract import (
     Contract,
     ContractBuilder,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from _contract_testlib import BACKEND, DTYPES, make_contract, site_impls
+
 from isoexec.contract.diff import diff
 from isoexec.contract.impl import ImplInfo
 

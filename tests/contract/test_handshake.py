@@ -16,6 +16,7 @@ from _handshake_testlib import (
     raw_call,
     status,
 )
+
 from isoexec.contract.contract import canonical_json
 from isoexec.contract.handshake import (
     ContractMismatchError,

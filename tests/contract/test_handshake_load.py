@@ -17,6 +17,7 @@ from _handshake_testlib import (
     raw_call,
     status,
 )
+
 from isoexec.contract.handshake import HandshakeClient, HandshakeServer, Verdict
 from isoexec.contract.handshake.types import QUERY_METHOD
 

@@ -114,6 +114,7 @@ def qwen3_moe_nonorm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def parallel() -> Iterator[object]:
     """Megatron parallel state (gloo, world size 1) for one test; destroyed afterwards."""
     import torch.distributed as dist
+
     from isoexec.megatron.parallel import megatron_parallel
 
     with megatron_parallel(seed=1234) as info:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from isoexec.megatron.cpu_shims import applied_cpu_shims, apply_cpu_shims
 from isoexec.megatron.hf_config import (
     SUPPORTED_ARCHITECTURES,
@@ -71,8 +72,9 @@ def test_cpu_shims_idempotent_and_reported() -> None:
 
 def test_parallel_context_sets_up_and_tears_down() -> None:
     import torch.distributed as dist
-    from isoexec.megatron.parallel import megatron_parallel
     from megatron.core import parallel_state as ps
+
+    from isoexec.megatron.parallel import megatron_parallel
 
     with megatron_parallel() as info:
         assert dist.is_initialized() and dist.get_backend() == "gloo"

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch.distributed as dist
+
 from isoexec.megatron.cpu_shims import apply_cpu_shims, model_parallel_cpu_manual_seed
 
 

@@ -22,9 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from isoexec.megatron.hf_config import ModelArch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from isoexec.megatron.hf_config import ModelArch
 
 
 class CheckpointMismatchError(ValueError):

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.layers import UnsupportedSiteError
-
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
-
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.sites import model_sites
 

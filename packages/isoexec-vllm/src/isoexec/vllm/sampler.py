@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.layers import UnsupportedSiteError
-
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.model_contract import contract_for
 from isoexec.vllm.readback import read_sites

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 import grpc
+
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
 from isoexec.contract.handshake.types import (

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import grpc
+
 from isoexec.contract.contract import Contract
 from isoexec.contract.diff import diff
 from isoexec.contract.handshake.types import (

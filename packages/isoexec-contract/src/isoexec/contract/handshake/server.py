@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
+
 from isoexec.contract.contract import Contract, ContractError, SchemaVersionError
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
 from isoexec.contract.handshake.rendezvous import Rendezvous
