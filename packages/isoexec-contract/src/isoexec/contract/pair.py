@@ -132,29 +132,39 @@ def sample_and_score(
 
 
 def handshake(
-    trainer_contract: Any, engine: Any, run_id: str = "pair"
+    trainer_contract: Any,
+    engine: Any,
+    run_id: str = "pair",
+    *,
+    server: Any = None,
+    token: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """The trainer hosts the service; trainer rank 0 and the engine worker offer concurrently.
+    """Trainer rank 0 and the engine worker offer their contracts concurrently.
 
+    With `server`/`token` the caller's running service is used (it must stay up while weights
+    are synced: workers ask it before loading); without, a temporary one is hosted here.
     Returns (trainer verdict, engine worker verdict); neither raises on MISMATCH.
     """
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.server import HandshakeServer
 
-    token = secrets.token_hex(16)
+    if server is None:
+        token = secrets.token_hex(16)
+        with HandshakeServer({"trainer": 1, "engine": 1}, token) as own:
+            return handshake(trainer_contract, engine, run_id, server=own, token=token)
+    assert token is not None
     verdicts: dict[str, Any] = {}
-    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
 
-        def offer() -> None:
-            with HandshakeClient(server.address, token) as client:
-                verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
+    def offer() -> None:
+        with HandshakeClient(server.address, token) as client:
+            verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
 
-        t = threading.Thread(target=offer)
-        t.start()
-        try:
-            (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
-        finally:
-            t.join()
+    t = threading.Thread(target=offer)
+    t.start()
+    try:
+        (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
+    finally:
+        t.join()
     return verdicts["trainer"], engine_verdict
 
 
