@@ -45,6 +45,11 @@ def test_weight_sync_gate_fingerprints_and_reload(
         new_weights = load_file(str(new_file))
         expected = WeightFingerprint.of(new_weights).digest
 
+        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
+        spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
+        # Run the old weights first: a cache of the old weights must not survive the reload.
+        old_lps = [o.prompt_logprobs for o in eng.generate(prompts, spec)]
+
         # 1. Before any handshake: refused, nothing loaded.
         before = eng.call("weight_fingerprint")
         with pytest.raises(EngineError, match="no MATCH from the handshake"):
@@ -65,9 +70,8 @@ def test_weight_sync_gate_fingerprints_and_reload(
             # 3. Cleared: loads, and the engine's live weights hash to the trainer's export.
             assert eng.call("load_weights", str(new_file), expected) == [expected]
 
-        prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
-        spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
         reloaded = [o.prompt_logprobs for o in eng.generate(prompts, spec)]
+        assert reloaded != old_lps
     finally:
         eng.close()
 

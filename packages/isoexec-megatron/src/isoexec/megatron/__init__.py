@@ -25,7 +25,13 @@ from isoexec.megatron.model_builder import (
     native_submodules,
 )
 from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
-from isoexec.megatron.scoring import is_isoexec, score, token_logprobs, train_step
+from isoexec.megatron.scoring import (
+    is_isoexec,
+    policy_logprobs,
+    score,
+    token_logprobs,
+    train_step,
+)
 from isoexec.megatron.weights import (
     CheckpointMismatchError,
     export_hf_weights,
@@ -53,6 +59,7 @@ __all__ = [
     "load_hf_weights",
     "megatron_parallel",
     "native_submodules",
+    "policy_logprobs",
     "read_sites",
     "save_hf_safetensors",
     "score",

@@ -242,4 +242,28 @@ def train_step(
     return loss_sum
 
 
-__all__ = ["TokenSeq", "is_isoexec", "packed_logprobs", "score", "token_logprobs", "train_step"]
+__all__ = [
+    "TokenSeq",
+    "is_isoexec",
+    "packed_logprobs",
+    "policy_logprobs",
+    "score",
+    "token_logprobs",
+    "train_step",
+]
+
+
+def policy_logprobs(
+    model: torch.nn.Module, sequences: Sequence[TokenSeq], temperature: float = 1.0
+) -> list[torch.Tensor]:
+    """Per-token logprobs that keep the autograd graph (for policy-gradient losses).
+
+    isoexec models: one packed forward through the canonical ops (the same bits as `score`);
+    native models: one sequence per forward, Megatron's own path.
+    """
+    vocab = _vocab_size(model)
+    ids = [_as_ids(s, vocab) for s in sequences]
+    temperature = _effective_temperature(temperature)
+    if is_isoexec(model):
+        return packed_logprobs(model, ids, temperature)
+    return [_forward_logprobs(model, i, temperature) for i in ids]

@@ -283,6 +283,38 @@ class _Handler:
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
 
+    def trace(
+        self, sequences: list[list[int]], path: str, store_values: bool = True
+    ) -> dict[str, int]:
+        """Per-site trace of worker 0 for `sequences`, written to `path` (`isoexec locate`).
+
+        Each sequence runs alone as a prompt-only scoring request (max_tokens=1, prompt
+        logprobs), so every traced row is a prefill row of that sequence at a known absolute
+        position; the `logprobs` site is the prompt logprobs (T=1), as the trainer scores them.
+        """
+        import torch
+
+        from isoexec.contract.trace import Trace
+
+        self.llm.reset_prefix_cache()
+        self.llm.collective_rpc("isoexec_trace_start", args=(store_values,))
+        lps: list[list[float]] = []
+        try:
+            for i, seq in enumerate(sequences):
+                self.llm.collective_rpc("isoexec_trace_sequence", args=(i, list(seq)))
+                spec = SamplingSpec(max_tokens=1, temperature=1.0, prompt_logprobs=True)
+                (done,) = self.generate([list(seq)], spec)
+                lps.append(done.prompt_logprobs or [])
+        finally:
+            data = self.llm.collective_rpc("isoexec_trace_stop")[0]
+        trace = Trace.from_dict(data)
+        for i, values in enumerate(lps):
+            if values:
+                rows = torch.tensor(values, dtype=torch.float32).reshape(-1, 1)
+                trace.record(i, "logprobs", range(len(values)), rows, store_values=store_values)
+        trace.write(path)
+        return {"sequences": len(sequences), "rows": len(trace.rows)}
+
     def collective_rpc(self, method: str, args: tuple[Any, ...] = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
 

@@ -14,12 +14,16 @@ def install_plugin() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    # This process owns every weight write (vLLM's loaders, IsoExec's weight sync), and both
+    # paths clear the cache after writing: see `ops.gemm.enable_packed_weight_cache`.
+    from isoexec.contract.ops.gemm import enable_packed_weight_cache
     from isoexec.vllm.attention import register_attention
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.moe import register_moe
     from isoexec.vllm.sampler import install_sampler
 
+    enable_packed_weight_cache()
     register_layers()
     register_moe()
     register_gdn()

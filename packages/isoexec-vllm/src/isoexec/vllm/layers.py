@@ -14,6 +14,7 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -108,7 +109,7 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
     isoexec_impl: ImplInfo = ops.get_impl("linear")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
+        clear_packed_weight_cache()  # vLLM wrote the weight through `.data`
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
@@ -122,7 +123,7 @@ class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
     isoexec_impl: ImplInfo = ops.get_impl("linear")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
+        clear_packed_weight_cache()  # vLLM wrote the weight through `.data`
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

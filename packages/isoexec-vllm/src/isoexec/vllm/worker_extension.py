@@ -16,6 +16,7 @@ import torch
 
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.model_contract import contract_for
+from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm.readback import read_sites
 from isoexec.vllm.weights import hf_named_weights
 
@@ -105,9 +106,37 @@ class IsoWorkerExtension:
         model = self.model_runner.model
         with torch.no_grad():
             model.load_weights(iter(received.items()))
+        clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         return self.isoexec_weight_fingerprint()
 
     def isoexec_weight_fingerprint(self) -> str:
         """Fingerprint of the weights this worker holds, in canonical (HF) names."""
         hf = self._isoexec_hf_config()
         return WeightFingerprint.of(hf_named_weights(self.model_runner.model, hf)).digest
+
+    # ---- per-site tracing (`isoexec locate`) -------------------------------------------------
+    def isoexec_trace_start(self, store_values: bool = True) -> None:
+        """Install per-site recording hooks (see `isoexec.vllm.trace`); off until called."""
+        from isoexec.vllm.trace import EngineTracer
+
+        if getattr(self, "_isoexec_tracer", None) is not None:
+            raise RuntimeError("a trace is already running on this worker")
+        self._isoexec_tracer: Any = EngineTracer(
+            self.model_runner.model,
+            self._isoexec_hf_config(),
+            self._isoexec_dtype(),
+            store_values=store_values,
+        )
+
+    def isoexec_trace_sequence(self, seq: int, tokens: list[int]) -> None:
+        """The rows of the next forwards belong to this sequence (one request at a time)."""
+        tracer = getattr(self, "_isoexec_tracer", None)
+        if tracer is None:
+            raise RuntimeError("no trace is running (isoexec_trace_start first)")
+        tracer.begin_sequence(seq, tokens)
+
+    def isoexec_trace_stop(self) -> dict[str, Any] | None:
+        """Remove the hooks; the trace as a plain dict (`Trace.to_dict`), None if none ran."""
+        tracer = getattr(self, "_isoexec_tracer", None)
+        self._isoexec_tracer = None
+        return None if tracer is None else tracer.stop()

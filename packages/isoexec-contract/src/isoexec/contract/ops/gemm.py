@@ -25,6 +25,27 @@ DEFAULT_TP_LEAVES = 8
 
 # id(weight) -> (weakref to weight, (version, data_ptr, block_rows), packed weight)
 _PACK_CACHE: dict[int, tuple[weakref.ref, tuple[int, int, int], torch.Tensor]] = {}
+# Off unless the owner of the weights turns it on (see `enable_packed_weight_cache`).
+_PACK_CACHE_ENABLED = False
+
+
+def enable_packed_weight_cache(enabled: bool = True) -> None:
+    """Let the fp32 CPU GEMM reuse prepacked weights across calls (decode speed).
+
+    Only a process that controls every weight update may turn this on: a write through
+    `param.data` (vLLM's weight loaders, some optimizers) does not bump `_version`, so the
+    cache cannot see it. The owner must call `clear_packed_weight_cache()` after such writes.
+    The engine side does (after each weight load); the trainer side leaves it off.
+    """
+    global _PACK_CACHE_ENABLED
+    _PACK_CACHE_ENABLED = enabled
+    if not enabled:
+        _PACK_CACHE.clear()
+
+
+def clear_packed_weight_cache() -> None:
+    """Forget every prepacked weight (call after writing weights through `.data`)."""
+    _PACK_CACHE.clear()
 
 
 def _onednn_available() -> bool:
@@ -34,11 +55,15 @@ def _onednn_available() -> bool:
 
 
 def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """oneDNN-prepacked fp32 weight, cached per (tensor identity, version, storage, R).
+    """oneDNN-prepacked fp32 weight; cached per (tensor identity, version, storage, R) when the
+    cache is enabled.
 
-    Packing costs about one weight copy; the cache makes decode steps not pay it. An
-    in-place update bumps `_version` and a new `.data` changes `data_ptr`: both repack.
+    Packing costs about one weight copy; the cache makes decode steps not pay it. An in-place
+    update bumps `_version` and a new `.data` changes `data_ptr`: both repack; a write through
+    `.data` is invisible, hence the explicit enable/clear protocol.
     """
+    if not _PACK_CACHE_ENABLED:
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
     stamp = (weight._version, weight.data_ptr(), block_rows)
     hit = _PACK_CACHE.get(id(weight))
     if hit is not None and hit[0]() is weight and hit[1] == stamp:

@@ -1,0 +1,37 @@
+"""The fp32 GEMM's prepacked-weight cache: off by default, explicit clear after `.data` writes."""
+
+from __future__ import annotations
+
+import torch
+
+from isoexec.contract import ops
+from isoexec.contract.ops import gemm
+
+
+def test_cache_off_by_default_sees_data_writes() -> None:
+    assert not gemm._PACK_CACHE_ENABLED
+    w = torch.nn.Parameter(torch.randn(64, 48))
+    x = torch.randn(3, 48)
+    y0 = ops.linear(x, w)
+    w.data.copy_(torch.randn(64, 48))  # a write that does not bump w._version
+    y1 = ops.linear(x, w)
+    assert not torch.equal(y0, y1)
+    assert torch.equal(y1, ops.linear(x, w.detach().clone()))
+
+
+def test_enabled_cache_is_stale_until_cleared() -> None:
+    """Why the owner must clear: with the cache on, a `.data` write is invisible."""
+    gemm.enable_packed_weight_cache()
+    try:
+        w = torch.nn.Parameter(torch.randn(64, 48))
+        x = torch.randn(3, 48)
+        y0 = ops.linear(x, w)
+        w.data.copy_(torch.randn(64, 48))
+        assert torch.equal(ops.linear(x, w), y0)  # stale: the hazard the protocol handles
+        gemm.clear_packed_weight_cache()
+        assert torch.equal(ops.linear(x, w), ops.linear(x, w.detach().clone()))
+        with torch.no_grad():
+            w.add_(1.0)  # a normal in-place update bumps _version: repacked without a clear
+        assert torch.equal(ops.linear(x, w), ops.linear(x, w.detach().clone()))
+    finally:
+        gemm.enable_packed_weight_cache(False)
