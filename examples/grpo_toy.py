@@ -1,0 +1,149 @@
+"""A small GRPO loop with IsoExec: the engine samples, the trainer learns, weights sync each step.
+
+Toy task with a verifiable reward: a completion earns the fraction of its tokens that fall in
+the "low band" (token id < vocab/8). Each step: the engine (real vLLM, own process) samples G
+completions per prompt; the trainer (real Megatron) computes group-normalised advantages and
+the clipped policy loss with ratios against the engine's logprobs; one optimizer step; the
+weights are exported, fingerprinted and loaded into the engine behind the handshake gate.
+
+With IsoExec the ratio before the update is exactly 1.0 for every token; the stock arm logs
+its spread. Run:  python examples/grpo_toy.py [--arm isoexec|stock] [--steps 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import secrets
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from isoexec.contract.fingerprint import WeightFingerprint
+from isoexec.contract.handshake.server import HandshakeServer
+from isoexec.contract.pair import handshake
+from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.megatron import (
+    build_model,
+    export_hf_weights,
+    load_hf_weights,
+    megatron_parallel,
+    policy_logprobs,
+    save_hf_safetensors,
+    trainer_contract,
+)
+from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
+
+CLIP = 0.2
+
+
+@dataclass(frozen=True)
+class StepLog:
+    step: int
+    mean_reward: float
+    tokens: int
+    ratio_max_dev: float  # max |π_train/π_rollout - 1| before the update
+    ratio_exactly_one: bool
+
+
+def reward(tokens: list[int], vocab: int) -> float:
+    return sum(t < vocab // 8 for t in tokens) / len(tokens)
+
+
+def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) -> list[StepLog]:
+    isoexec = arm == "isoexec"
+    model_dir = make_tiny_model("tiny-dense", out / "model", seed=3)
+    hf = json.loads((model_dir / "config.json").read_text())
+    vocab = int(hf["vocab_size"])
+    gen = torch.Generator().manual_seed(0)
+    base = [torch.randint(vocab, (12,), generator=gen).tolist() for _ in range(prompts)]
+    token = secrets.token_hex(16)
+    logs: list[StepLog] = []
+    engine = None
+    with megatron_parallel(), HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
+        try:
+            engine = EngineProcess(EngineConfig(model=str(model_dir), isoexec=isoexec, seed=1))
+            model = build_model(str(model_dir), isoexec=isoexec)
+            load_hf_weights(model, str(model_dir))
+            opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+            if isoexec:
+                tv, ev = handshake(
+                    trainer_contract(model, hf, "float32"),
+                    engine,
+                    "grpo",
+                    server=server,
+                    token=token,
+                )
+                tv.raise_for_mismatch()
+                assert ev["outcome"] == "MATCH", ev
+            for step in range(steps):
+                batch = [p for p in base for _ in range(group)]
+                comps = engine.generate(batch, SamplingSpec(max_tokens=8, temperature=1.0))
+                rewards = torch.tensor([reward(c.token_ids, vocab) for c in comps])
+                grouped = rewards.view(prompts, group)
+                adv = (
+                    (grouped - grouped.mean(1, keepdim=True))
+                    / (grouped.std(1, keepdim=True) + 1e-6)
+                ).view(-1)
+                model.train()
+                opt.zero_grad(set_to_none=True)
+                lps = policy_logprobs(model, [c.prompt_token_ids + c.token_ids for c in comps])
+                new = torch.cat([lp[-len(c.token_ids) :] for lp, c in zip(lps, comps, strict=True)])
+                old = torch.cat([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps])
+                a = torch.cat(
+                    [
+                        torch.full((len(c.token_ids),), float(x))
+                        for c, x in zip(comps, adv, strict=True)
+                    ]
+                )
+                ratio = torch.exp(new - old)
+                dev = float((ratio.detach() - 1).abs().max())
+                loss = -torch.min(ratio * a, ratio.clamp(1 - CLIP, 1 + CLIP) * a).mean()
+                loss.backward()
+                opt.step()
+                logs.append(StepLog(step, float(rewards.mean()), int(new.numel()), dev, dev == 0.0))
+                print(json.dumps(asdict(logs[-1])), flush=True)
+                # weight sync: export, fingerprint, load behind the gate (stock arm: no gate)
+                path = out / f"step{step}.safetensors"
+                save_hf_safetensors(model, path)
+                digest = WeightFingerprint.of(export_hf_weights(model)).digest
+                if isoexec:
+                    assert engine.call("load_weights", str(path), digest) == [digest]
+                else:  # stock vLLM has no gate: restart it on the new checkpoint
+                    engine.close()
+                    engine = EngineProcess(
+                        EngineConfig(model=str(_checkpoint(model_dir, path)), seed=1)
+                    )
+        finally:
+            if engine is not None:
+                engine.close()
+    return logs
+
+
+def _checkpoint(model_dir: Path, weights: Path) -> Path:
+    """An HF checkpoint dir (the original config + the exported weights)."""
+    import shutil
+
+    ckpt = weights.with_suffix("")
+    ckpt.mkdir(exist_ok=True)
+    shutil.copy(model_dir / "config.json", ckpt / "config.json")
+    shutil.copy(weights, ckpt / "model.safetensors")
+    return ckpt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arm", choices=("isoexec", "stock"), default="isoexec")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    out = Path(args.out or tempfile.mkdtemp(prefix="grpo-"))
+    out.mkdir(parents=True, exist_ok=True)
+    logs = run(args.arm, args.steps, out)
+    (out / "grpo_log.json").write_text(json.dumps([asdict(x) for x in logs], indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""The GRPO example runs in CI (a short version): ratio exactly 1 with IsoExec, not without."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "grpo_toy.py"
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("grpo_toy", EXAMPLE)
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_grpo_isoexec_ratio_is_exactly_one_every_step(tmp_path: Path) -> None:
+    logs = _example().run("isoexec", 3, tmp_path)
+    assert [log.step for log in logs] == [0, 1, 2]
+    assert all(log.ratio_exactly_one and log.ratio_max_dev == 0.0 for log in logs), logs
+    assert all(log.tokens > 0 for log in logs)
+
+
+def test_grpo_stock_arm_ratio_spreads(tmp_path: Path) -> None:
+    (log,) = _example().run("stock", 1, tmp_path)
+    print("stock arm ratio spread:", log.ratio_max_dev)
+    assert not log.ratio_exactly_one and 0.0 < log.ratio_max_dev < 1e-2
