@@ -17,6 +17,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("contract", "isoexec.contract.cli_contract", "show, hash and diff execution contracts"),
     ("handshake", "isoexec.contract.handshake.cli", "serve or use the contract handshake"),
     ("pair", "isoexec.contract.pair", "trainer vs engine, bitwise, IsoExec on and off"),
+    ("locate", "isoexec.contract.cli_locate", "first divergent site between two traces"),
 ]
 
 

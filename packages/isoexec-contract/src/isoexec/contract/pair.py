@@ -5,6 +5,10 @@ Megatron-core model in this process) scores exactly the sampled sequences; every
 token's logprob is compared bit for bit. Run once with IsoExec on (after the contract
 handshake) and once off (the stock arm), and print one table. Needs both sides installed
 (`isoexec-megatron` and `isoexec-vllm`), as in the development workspace.
+
+With `--locate`, an IsoExec arm that is not 100% bitwise is traced on both sides afterwards
+(same engine, same trainer model, a few of its prompts scored one at a time) and the first
+divergent site is printed (`locate_pair`, `isoexec.contract.locate`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn")
 TEMPERATURES = (1.0, 0.7)
+LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class ArmResult:
     bitwise_equal: int
     max_abs_diff: float
     max_ratio_dev: float  # max |exp(lp_train - lp_engine) - 1|
+    locate: str | None = None  # the `isoexec locate` report, when --locate traced this arm
 
     @property
     def equal_fraction(self) -> float:
@@ -60,6 +66,7 @@ def run_arm(
     num_prompts: int,
     max_tokens: int,
     seed: int,
+    locate_dir: Path | None = None,
 ) -> ArmResult:
     import torch
 
@@ -90,6 +97,12 @@ def run_arm(
                 raise RuntimeError(f"engine got {engine_verdict['outcome']}")
             status = f"MATCH {contract.hash[:12]}"
         train, eng = sample_and_score(engine, model, prompts, temps, max_tokens)
+        report = None
+        if isoexec and locate_dir is not None and not torch.equal(train, eng):
+            from isoexec.contract.locate import format_result
+
+            located = locate_pair(engine, model, hf_config, prompts[:LOCATE_SEQUENCES], locate_dir)
+            report = format_result(located)
     diff = (train - eng).abs()
     ratio_dev = (torch.exp(train.double() - eng.double()) - 1).abs()
     return ArmResult(
@@ -99,7 +112,34 @@ def run_arm(
         bitwise_equal=int((train == eng).sum()),
         max_abs_diff=float(diff.max()),
         max_ratio_dev=float(ratio_dev.max()),
+        locate=report,
     )
+
+
+def locate_pair(
+    engine: Any,
+    model: Any,
+    hf_config: dict[str, Any],
+    sequences: list[list[int]],
+    out_dir: Path,
+    *,
+    store_values: bool = True,
+) -> Any:
+    """Trace both sides on `sequences` and return the `LocateResult` (first divergent site).
+
+    Each sequence is scored alone on both sides (prompt-only on the engine), so the rows are
+    prefill rows at known absolute positions; traces land in `out_dir` as
+    `trainer.trace.json` and `engine.trace.json`, for `isoexec locate` to re-read.
+    """
+    from isoexec.contract.locate import locate
+    from isoexec.contract.trace import Trace
+    from isoexec.megatron.trace import trace_trainer
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tpath, epath = out_dir / "trainer.trace.json", out_dir / "engine.trace.json"
+    trace_trainer(model, hf_config, sequences, store_values=store_values).write(tpath)
+    engine.call("trace", [list(s) for s in sequences], str(epath.resolve()), store_values)
+    return locate(Trace.read(tpath), Trace.read(epath))
 
 
 def sample_and_score(
@@ -194,6 +234,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/pair", help="where the model and results go")
     p.add_argument("--arms", default="isoexec,stock", help="comma list of isoexec,stock")
+    p.add_argument(
+        "--locate",
+        action="store_true",
+        help="if the isoexec arm is not 100%% bitwise, trace both sides and print the first "
+        "divergent site (traces in OUT/locate/)",
+    )
     return p
 
 
@@ -226,11 +272,20 @@ def run(args: argparse.Namespace) -> int:
             num_prompts=args.num_prompts,
             max_tokens=args.max_tokens,
             seed=args.seed,
+            locate_dir=out / "locate" if args.locate else None,
         )
         for arm in args.arms.split(",")
     ]
     table = format_table(args.model or args.preset, args.dtype, results)
     print(table, flush=True)
+    if args.locate:
+        for r in results:
+            if r.arm != "isoexec":
+                continue
+            if r.locate is None:
+                print("locate: the isoexec arm is 100% bitwise, nothing to locate", flush=True)
+            else:
+                print(f"locate ({out / 'locate'}):\n{r.locate}", flush=True)
     (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
     iso = [r for r in results if r.arm == "isoexec"]
     return 0 if all(r.bitwise_equal == r.tokens and r.tokens > 0 for r in iso) else 1
