@@ -15,7 +15,8 @@ maths gives equal digests:
 - lm_head: logits sliced to the HF vocab (padding columns dropped);
 - logprobs: `score(…, temperature=1.0)`, one value per position 0..n-2.
 Not recorded: `mlp.router` (the engine routes inside its experts runner, so there is nothing
-to compare it with; its effect shows at `mlp.experts`), a native model's experts (Megatron's
+to compare it with; its effect shows at `mlp.experts`), GDN `conv` / `recurrence` (inside
+the GDN block, as on the engine), a native model's experts (Megatron's
 `SequentialMLP` works on expert-permuted tokens) and a native model's activation (a function,
 not a module).
 """
@@ -34,6 +35,12 @@ from isoexec.megatron.contract_readback import _LAYER_PATHS, _TOP_PATHS
 from isoexec.megatron.hf_config import HFConfigSource, _read_source
 
 SIDE = "trainer"
+# Sites whose op runs inside a bigger module: that module's output is not the site's output.
+UNTRACED: dict[str, str] = {
+    "mlp.router": "the engine routes inside its experts runner; compared at mlp.experts",
+    "linear_attn.conv": "runs inside the GDN block, no module output of its own",
+    "linear_attn.recurrence": "runs inside the GDN block, no module output of its own",
+}
 
 
 def _first_tensor(out: Any) -> torch.Tensor | None:
@@ -50,7 +57,8 @@ class TrainerTracer:
     def __init__(
         self, model: torch.nn.Module, hf_config: dict[str, Any], *, store_values: bool = True
     ) -> None:
-        dtypes = {p.dtype for p in model.parameters()}
+        # fp32-pinned parameters (GDN's A_log) do not decide the model dtype, as in the contract
+        dtypes = {p.dtype for p in model.parameters() if not getattr(p, "isoexec_keep_fp32", False)}
         dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "mixed"
         self.trace = Trace.for_model(SIDE, hf_config, dtype)
         self.store_values = store_values
@@ -83,10 +91,8 @@ class TrainerTracer:
                 continue
             _, idx, rest = name.split(".", 2)
             prefix = f"decoder.layers.{idx}"
-            if rest == "mlp.router":
-                self.trace.untraced[name] = (
-                    "the engine routes inside its experts runner; compared at mlp.experts"
-                )
+            if rest in UNTRACED:
+                self.trace.untraced[name] = UNTRACED[rest]
                 continue
             if rest == "self_attn.rope":
                 attn = modules.get(f"{prefix}.self_attention")
