@@ -24,7 +24,9 @@ Where Megatron's own structure and vLLM's differ, the rounding sequence of vLLM 
   scale `head_dim ** -0.5` and the default KV tile;
 - MoE: router logits by the canonical linear in the model dtype, `moe_router`, then
   `moe_combine` on experts stacked as the engine holds them: w13 [E, 2I, H] = cat(gate, up),
-  w2 [E, H, I].
+  w2 [E, H, I]; a (Qwen3-Next) sigmoid-gated shared expert goes into the same combine.
+
+Qwen3-Next's GDN layer, gated norm and gated attention are in `canonical_gdn`.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 # vLLM's DEFAULT_VOCAB_PADDING_SIZE: the engine's lm-head weight has this many rows per block.
@@ -63,6 +66,8 @@ class IsoTransformerConfig(TransformerConfig):
     """
 
     isoexec_rope_theta: float | None = None
+    # Rotated dims per head (partial RoPE, Qwen3-Next); None: the whole head.
+    isoexec_rotary_dim: int | None = None
 
 
 def _require_tp1(what: str, config: TransformerConfig) -> None:
@@ -122,17 +127,29 @@ class IsoRowParallelLinear(RowParallelLinear):
         return out, (self.bias if self.skip_bias_add else None)
 
 
-def qkv_hf_row_order(num_heads: int, num_groups: int, head_dim: int) -> torch.Tensor:
+def qkv_hf_row_order(
+    num_heads: int, num_groups: int, head_dim: int, *, output_gate: bool = False
+) -> torch.Tensor:
     """Row index `perm` with `W_hf = W_megatron[perm]`: Megatron's per-group
-    [q heads of g; k_g; v_g] rows → HF/vLLM's [all q; all k; all v]."""
+    [q heads of g; k_g; v_g] rows → HF/vLLM's [all q; all k; all v].
+
+    With `output_gate` (Qwen3-Next) Megatron's group is [q heads of g; gate heads of g; k_g;
+    v_g] and the HF/vLLM q block holds [q_h; gate_h] per head (`q_proj` is 2·head_dim per head).
+    """
     qpg = num_heads // num_groups
-    per_group = (qpg + 2) * head_dim
+    gates = qpg if output_gate else 0
+    per_group = (qpg + gates + 2) * head_dim
     q, k, v = [], [], []
     for g in range(num_groups):
         base = g * per_group
-        q.append(torch.arange(base, base + qpg * head_dim))
-        k.append(torch.arange(base + qpg * head_dim, base + (qpg + 1) * head_dim))
-        v.append(torch.arange(base + (qpg + 1) * head_dim, base + per_group))
+        for j in range(qpg):
+            q.append(torch.arange(base + j * head_dim, base + (j + 1) * head_dim))
+            if output_gate:
+                gbase = base + (qpg + j) * head_dim
+                q.append(torch.arange(gbase, gbase + head_dim))
+        kbase = base + (qpg + gates) * head_dim
+        k.append(torch.arange(kbase, kbase + head_dim))
+        v.append(torch.arange(kbase + head_dim, kbase + 2 * head_dim))
     return torch.cat(q + k + v)
 
 
@@ -148,7 +165,12 @@ class IsoQKVLinear(IsoColumnParallelLinear):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         c = self.config
-        perm = qkv_hf_row_order(c.num_attention_heads, c.num_query_groups, c.kv_channels)
+        perm = qkv_hf_row_order(
+            c.num_attention_heads,
+            c.num_query_groups,
+            c.kv_channels,
+            output_gate=bool(c.attention_output_gate),
+        )
         if perm.numel() != self.output_size_per_partition:
             raise CanonicalSiteError(
                 f"QKV rows {self.output_size_per_partition} != heads/groups layout {perm.numel()}"
@@ -285,6 +307,10 @@ class IsoCoreAttention(MegatronModule):
             raise CanonicalSiteError("canonical attention does not support: " + ", ".join(problems))
         _require_tp1(type(self).__name__, config)
         self.head_dim = int(config.kv_channels)
+        rotary_dim = getattr(config, "isoexec_rotary_dim", None)
+        self.rotary_dim = self.head_dim if rotary_dim is None else int(rotary_dim)
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise CanonicalSiteError(f"rotary dim {self.rotary_dim} for head dim {self.head_dim}")
         self.rope_theta = float(theta)  # type: ignore[arg-type]
         # vLLM's Qwen3 attention: `self.scaling = self.head_dim**-0.5`, the same float.
         self.scale = float(softmax_scale) if softmax_scale is not None else self.head_dim**-0.5
@@ -329,9 +355,10 @@ class IsoCoreAttention(MegatronModule):
     ) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D]: rope (as vLLM's IsoRotaryEmbedding), then attention."""
         pos = packed_positions(cu, q.shape[0]).to(q.device)
-        cos, sin = ops.rope_cos_sin(pos, self.head_dim, self.rope_theta)
-        q = ops.apply_rope(q, cos, sin, self.head_dim)
-        k = ops.apply_rope(k, cos, sin, self.head_dim)
+        rot = getattr(self, "rotary_dim", self.head_dim)
+        cos, sin = ops.rope_cos_sin(pos, rot, self.rope_theta)
+        q = ops.apply_rope(q, cos, sin, rot)
+        k = ops.apply_rope(k, cos, sin, rot)
         return ops.attention_varlen(q, k, v, cu.to(q.device), scale=self.scale)
 
 
@@ -391,10 +418,31 @@ class IsoSequentialMLP(SequentialMLP):
         return w13, w2
 
     def forward(  # type: ignore[override]
-        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        **shared: torch.Tensor,
     ) -> torch.Tensor:
+        """`shared`: `shared_w13`, `shared_w2`, `shared_gate_w` of `ops.moe_combine`."""
         w13, w2 = self.stacked_weights()
-        return ops.moe_combine(x, topk_weights, topk_ids, w13, w2)
+        return ops.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
+
+
+class IsoSharedExpertMLP(SharedExpertMLP):
+    """Shared-expert slot: Megatron's parameters (fc1 = cat(gate, up), fc2, `gate_weight`
+    [1, H]), computed inside `ops.moe_combine` by `IsoMoELayer` (the engine adds the shared
+    expert inside the same fixed-order fp32 combine); its own forward is never canonical."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        raise CanonicalSiteError("the shared expert runs inside ops.moe_combine (IsoMoELayer)")
+
+    def combine_kwargs(self) -> dict[str, torch.Tensor]:
+        """The `shared_*` arguments of `ops.moe_combine`, the engine's layouts as is."""
+        out = {"shared_w13": self.linear_fc1.weight, "shared_w2": self.linear_fc2.weight}
+        if self.gate_weight is not None:
+            out["shared_gate_w"] = self.gate_weight
+        return out
 
 
 class IsoMoELayer(MoELayer):
@@ -406,8 +454,13 @@ class IsoMoELayer(MoELayer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.use_shared_expert:
-            raise CanonicalSiteError("shared experts are not wired in the canonical MoE layer")
+        if self.use_shared_expert and not isinstance(self.shared_experts, IsoSharedExpertMLP):
+            raise CanonicalSiteError(
+                f"shared experts {type(self.shared_experts).__name__}: only IsoSharedExpertMLP "
+                "(computed inside ops.moe_combine) is canonical"
+            )
+        if self.use_shared_expert and self.shared_expert_overlap:
+            raise CanonicalSiteError("overlapped shared experts are not canonical")
         for name, mod in (("router", self.router), ("experts", self.experts)):
             if not hasattr(mod, "isoexec_impl"):
                 raise CanonicalSiteError(f"IsoMoELayer needs a canonical {name}, got {mod!r}")
@@ -422,7 +475,8 @@ class IsoMoELayer(MoELayer):
             raise CanonicalSiteError("partial MoE forward (CUDA-graph pieces) is not canonical")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, ids = self.router(x)
-        out = self.experts(x, weights, ids)
+        shared = self.shared_experts.combine_kwargs() if self.use_shared_expert else {}
+        out = self.experts(x, weights, ids, **shared)
         return out.reshape(hidden_states.shape), None
 
 
@@ -477,6 +531,7 @@ __all__ = [
     "IsoRMSNorm",
     "IsoRowParallelLinear",
     "IsoSequentialMLP",
+    "IsoSharedExpertMLP",
     "IsoSiluMul",
     "IsoTopKRouter",
     "IsoTransformerConfig",

@@ -41,6 +41,14 @@ _LAYER_PATHS: dict[str, str] = {
     "mlp.down_proj": "mlp.linear_fc2",
     "mlp.router": "mlp.router",
     "mlp.experts": "mlp.experts",
+    # Qwen3-Next GDN layers: `IsoGatedDeltaNet` sits in the self_attention slot and runs the
+    # conv and the recurrence itself.
+    "linear_attn.in_proj_qkvz": "self_attention.in_proj_qkvz",
+    "linear_attn.in_proj_ba": "self_attention.in_proj_ba",
+    "linear_attn.conv": "self_attention",
+    "linear_attn.recurrence": "self_attention",
+    "linear_attn.norm": "self_attention.norm",
+    "linear_attn.out_proj": "self_attention.out_proj",
 }
 _TOP_PATHS = {"final_norm": "decoder.final_layernorm", "lm_head": "output_layer"}
 
@@ -55,6 +63,10 @@ def hf_config_dict(arch: ModelArch) -> dict[str, Any]:
     if arch.moe is not None:
         cfg["num_experts"] = arch.moe.num_experts
         cfg["mlp_only_layers"] = [i for i, m in enumerate(arch.moe_layers) if not m]
+    if arch.layer_kinds:
+        cfg["layer_types"] = [
+            "full_attention" if k == "attention" else "linear_attention" for k in arch.layer_kinds
+        ]
     return cfg
 
 
@@ -165,7 +177,11 @@ def trainer_contract(
     """
     cfg = _read_source(hf_config)
     sites = read_sites(model, cfg)
-    param_dtypes = {p.dtype for p in model.parameters()}
+    # Parameters the engine also holds in fp32 whatever the model dtype (GDN's A_log) do not
+    # decide the model dtype.
+    param_dtypes = {
+        p.dtype for p in model.parameters() if not getattr(p, "isoexec_keep_fp32", False)
+    }
     if len(param_dtypes) != 1:
         raise ValueError(f"model parameters have mixed dtypes {sorted(map(str, param_dtypes))}")
     model_dtype = _dtype_name(next(iter(param_dtypes)))

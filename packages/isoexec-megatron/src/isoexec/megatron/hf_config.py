@@ -5,9 +5,10 @@ changes the forward pass is either mapped or refused here; nothing is silently d
 module needs no `transformers` (the trainer package does not depend on it): it reads
 `config.json`, a mapping, or any object with `to_dict()` (a `PretrainedConfig`).
 
-Supported: `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`. A new architecture adds a parser to
-`_PARSERS` (and, in `model_builder`, a layer-spec builder); Qwen3-Next (GDN hybrid) is the next
-one.
+Supported: `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `Qwen3NextForCausalLM` (GDN hybrid:
+linear-attention layers, gated full attention with partial RoPE, zero-centred norms, MoE with a
+gated shared expert). A new architecture adds a parser to `_PARSERS` (and, in `model_builder`,
+a layer-spec builder).
 """
 
 from __future__ import annotations
@@ -36,6 +37,19 @@ class MoEConfig:
     # True: top-k over softmax probs, then renormalise the k (== softmax over the top-k logits).
     # False: softmax over all experts, keep the k probabilities as they are.
     norm_topk_prob: bool
+    # Qwen3-Next: one shared expert of this width, its output scaled by sigmoid(x · w_gate).
+    shared_expert_intermediate_size: int = 0
+
+
+@dataclass(frozen=True)
+class GDNConfig:
+    """Gated DeltaNet (linear attention) layer sizes, Qwen3-Next's `linear_*` fields."""
+
+    conv_kernel: int
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
 
 
 @dataclass(frozen=True)
@@ -59,10 +73,28 @@ class ModelArch:
     moe: MoEConfig | None = None
     # Per layer: True where the MLP is the sparse MoE block (all False for dense models).
     moe_layers: tuple[bool, ...] = ()
+    # Per layer: "attention" or "linear_attention" (GDN); () means all "attention".
+    layer_kinds: tuple[str, ...] = ()
+    gdn: GDNConfig | None = None
+    # Qwen3-Next: RoPE on the first `rotary_dim` dims of each head, norms `x * (1 + w)`,
+    # attention output scaled by sigmoid of a second q_proj half.
+    partial_rotary_factor: float = 1.0
+    zero_centered_norms: bool = False
+    attn_output_gate: bool = False
 
     @property
     def is_moe(self) -> bool:
         return self.moe is not None and any(self.moe_layers)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Per layer "attention" / "linear_attention" (all "attention" unless a hybrid)."""
+        return self.layer_kinds or ("attention",) * self.num_layers
+
+    @property
+    def rotary_dim(self) -> int:
+        """Rotated dims per head: `int(head_dim * partial_rotary_factor)`, vLLM's `get_rope`."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
 
 def _read_source(src: HFConfigSource) -> dict[str, Any]:
@@ -101,26 +133,40 @@ def _require(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    """RoPE base from `rope_parameters` (transformers>=5) or `rope_theta`/`rope_scaling` (<5)."""
+def _rope(cfg: Mapping[str, Any], *, allow_partial: bool = False) -> tuple[float, float]:
+    """(RoPE base, partial rotary factor) from `rope_parameters` (transformers>=5) or
+    `rope_theta`/`rope_scaling`/`partial_rotary_factor` (<5)."""
     params = cfg.get("rope_parameters")
+    top_partial = cfg.get("partial_rotary_factor")
     if params is not None:
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
             raise UnsupportedConfigError(f"rope_type {rope_type!r} (only 'default' RoPE)")
-        extra = set(params) - {"rope_theta", "rope_type", "type"}
+        extra = set(params) - {"rope_theta", "rope_type", "type", "partial_rotary_factor"}
         if extra:
             raise UnsupportedConfigError(f"rope_parameters fields {sorted(extra)}")
-        if params.get("partial_rotary_factor", 1.0) != 1.0:
-            raise UnsupportedConfigError("partial_rotary_factor != 1")
-        return float(params["rope_theta"])
-    if cfg.get("rope_scaling"):
-        raise UnsupportedConfigError(f"rope_scaling {cfg['rope_scaling']!r}")
-    return float(cfg.get("rope_theta", 10000.0))
+        theta = float(params["rope_theta"])
+        partial = float(params.get("partial_rotary_factor", top_partial or 1.0))
+    else:
+        if cfg.get("rope_scaling"):
+            raise UnsupportedConfigError(f"rope_scaling {cfg['rope_scaling']!r}")
+        theta = float(cfg.get("rope_theta", 10000.0))
+        partial = float(top_partial or 1.0)
+    if top_partial is not None and float(top_partial) != partial:
+        raise UnsupportedConfigError(
+            f"partial_rotary_factor {top_partial} disagrees with rope_parameters ({partial})"
+        )
+    if partial != 1.0 and not allow_partial:
+        raise UnsupportedConfigError("partial_rotary_factor != 1")
+    if not 0.0 < partial <= 1.0:
+        raise UnsupportedConfigError(f"partial_rotary_factor {partial} outside (0, 1]")
+    return theta, partial
 
 
-def _common(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
-    """Fields and refusals shared by the Qwen3 family (GQA, qk-norm, SwiGLU, RMSNorm, RoPE)."""
+def _common(cfg: Mapping[str, Any], arch: str, *, hybrid: bool = False) -> dict[str, Any]:
+    """Fields and refusals shared by the Qwen3 family (GQA, qk-norm, SwiGLU, RMSNorm, RoPE).
+
+    `hybrid` (Qwen3-Next): layer_types and partial RoPE are the caller's to parse."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfigError(f"hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
     if cfg.get("attention_bias", False):
@@ -129,10 +175,9 @@ def _common(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
     if cfg.get("use_sliding_window", False):
         raise UnsupportedConfigError("use_sliding_window=True")
     layer_types = cfg.get("layer_types")
-    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+    if not hybrid and layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise UnsupportedConfigError(f"layer_types {sorted(set(layer_types))}")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise UnsupportedConfigError("partial_rotary_factor != 1")
+    rope_theta, _ = _rope(cfg, allow_partial=hybrid)
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     head_dim = cfg.get("head_dim")
@@ -146,7 +191,7 @@ def _common(cfg: Mapping[str, Any], arch: str) -> dict[str, Any]:
         "head_dim": int(head_dim) if head_dim else hidden // heads,
         "intermediate_size": int(_require(cfg, "intermediate_size")),
         "rms_norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-        "rope_theta": _rope_theta(cfg),
+        "rope_theta": rope_theta,
         "max_position_embeddings": int(cfg.get("max_position_embeddings", 32768)),
         "tie_word_embeddings": bool(cfg.get("tie_word_embeddings", False)),
         "qk_norm": True,
@@ -161,18 +206,25 @@ def _parse_qwen3(cfg: Mapping[str, Any], arch: str) -> ModelArch:
 
 def _parse_qwen3_moe(cfg: Mapping[str, Any], arch: str) -> ModelArch:
     common = _common(cfg, arch)
-    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if num_experts is None:
-        raise UnsupportedConfigError("Qwen3-MoE config lacks num_experts / num_local_experts")
     for shared in ("shared_expert_intermediate_size", "n_shared_experts"):
         if cfg.get(shared):
             raise UnsupportedConfigError(f"{shared}={cfg[shared]} (Qwen3-MoE has no shared expert)")
+    moe, moe_layers = _moe(cfg, common["num_layers"], shared=0)
+    return ModelArch(**common, moe=moe, moe_layers=moe_layers)
+
+
+def _moe(
+    cfg: Mapping[str, Any], n: int, *, shared: int
+) -> tuple[MoEConfig | None, tuple[bool, ...]]:
+    """(MoE config or None, per-layer sparse flags): transformers' decoder-layer rule."""
+    num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if num_experts is None:
+        raise UnsupportedConfigError("MoE config lacks num_experts / num_local_experts")
     num_experts = int(num_experts)
     step = int(cfg.get("decoder_sparse_step", 1))
     if step < 1:
         raise UnsupportedConfigError(f"decoder_sparse_step={step}")
     mlp_only = set(cfg.get("mlp_only_layers") or [])
-    n = common["num_layers"]
     if not mlp_only <= set(range(n)):
         raise UnsupportedConfigError(f"mlp_only_layers {sorted(mlp_only)} outside 0..{n - 1}")
     # Exactly transformers' Qwen3MoeDecoderLayer rule.
@@ -187,13 +239,63 @@ def _parse_qwen3_moe(cfg: Mapping[str, Any], arch: str) -> ModelArch:
         top_k=top_k,
         intermediate_size=int(_require(cfg, "moe_intermediate_size")),
         norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=shared,
     )
-    return ModelArch(**common, moe=moe if any(moe_layers) else None, moe_layers=moe_layers)
+    return (moe if any(moe_layers) else None), moe_layers
+
+
+def _parse_qwen3_next(cfg: Mapping[str, Any], arch: str) -> ModelArch:
+    """Qwen3-Next: GDN + gated-attention hybrid, zero-centred norms, MoE + gated shared expert.
+
+    Mirrors what vLLM's `Qwen3NextForCausalLM` builds; every variant it could also build but
+    IsoExec's canonical layers do not express is refused here.
+    """
+    common = _common(cfg, arch, hybrid=True)
+    n = common["num_layers"]
+    _, partial = _rope(cfg, allow_partial=True)
+    types = cfg.get("layer_types")
+    if not types or len(types) != n:
+        raise UnsupportedConfigError(f"layer_types must name all {n} layers, got {types!r}")
+    kinds = []
+    for t in types:
+        if t not in ("full_attention", "linear_attention"):
+            raise UnsupportedConfigError(f"layer type {t!r}")
+        kinds.append("attention" if t == "full_attention" else "linear_attention")
+    if not cfg.get("attn_output_gate", True):
+        raise UnsupportedConfigError("attn_output_gate=False")
+    if cfg.get("layer_scale", False):
+        raise UnsupportedConfigError("layer_scale=True")
+    if cfg.get("output_gate_type", "silu") not in ("silu", "swish"):
+        raise UnsupportedConfigError(f"output_gate_type {cfg['output_gate_type']!r}")
+    gdn = GDNConfig(
+        conv_kernel=int(_require(cfg, "linear_conv_kernel_dim")),
+        num_key_heads=int(_require(cfg, "linear_num_key_heads")),
+        num_value_heads=int(_require(cfg, "linear_num_value_heads")),
+        key_head_dim=int(_require(cfg, "linear_key_head_dim")),
+        value_head_dim=int(_require(cfg, "linear_value_head_dim")),
+    )
+    if gdn.num_value_heads % gdn.num_key_heads:
+        raise UnsupportedConfigError("linear_num_value_heads not a multiple of key heads")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared <= 0:
+        raise UnsupportedConfigError("Qwen3-Next without a shared expert")
+    moe, moe_layers = _moe(cfg, n, shared=shared)
+    return ModelArch(
+        **common,
+        moe=moe,
+        moe_layers=moe_layers,
+        layer_kinds=tuple(kinds),
+        gdn=gdn if "linear_attention" in kinds else None,
+        partial_rotary_factor=partial,
+        zero_centered_norms=True,
+        attn_output_gate=True,
+    )
 
 
 _PARSERS: dict[str, Callable[[Mapping[str, Any], str], ModelArch]] = {
     "Qwen3ForCausalLM": _parse_qwen3,
     "Qwen3MoeForCausalLM": _parse_qwen3_moe,
+    "Qwen3NextForCausalLM": _parse_qwen3_next,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_PARSERS))
@@ -220,6 +322,7 @@ def load_hf_config(src: HFConfigSource) -> ModelArch:
 
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
+    "GDNConfig",
     "HFConfigSource",
     "MoEConfig",
     "ModelArch",

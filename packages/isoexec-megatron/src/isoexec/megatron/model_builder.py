@@ -9,8 +9,14 @@ Two pieces of data decide the model:
 layer (linears, norms, core attention, activation, MoE layer, router, experts) and the model
 class. `native_submodules()` is Megatron's own local (no-TE) implementation;
 `isoexec_submodules()` the canonical one (`canonical_modules`), selected by
-`build_model(..., isoexec=True)`. A new architecture (Qwen3-Next's GDN hybrid next) adds a
-`LayerSpecBuilder` to `_LAYER_SPEC_BUILDERS`.
+`build_model(..., isoexec=True)`. A new architecture adds a `LayerSpecBuilder` to
+`_LAYER_SPEC_BUILDERS`.
+
+Qwen3-Next (GDN hybrid) is built in isoexec mode only: its linear-attention layers put
+`canonical_gdn.IsoGatedDeltaNet` in the `self_attention` slot, its full-attention layers
+Megatron's gated `SelfAttention` (`IsoGatedSelfAttention`), and its MoE layers get a gated
+shared expert. Megatron's own `GatedDeltaNet` cannot be a native arm on CPU (see
+`NATIVE_GDN_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -56,6 +62,21 @@ class Submodules:
     model: type | None = None  # None: GPTModel
     # True: the model has no Megatron rotary embedding (the core attention applies RoPE).
     rope_in_core_attention: bool = False
+    # Qwen3-Next slots; None: this set of modules cannot build that part.
+    gated_attention: type | None = None  # SelfAttention with attention_output_gate
+    linear_attention: type | None = None  # GDN layer in the self_attention slot
+    gated_norm: type | None = None  # GDN output norm norm(x)·w·silu(z)
+    shared_experts: type | None = None  # gated shared expert of a MoE layer
+
+
+# Why there is no native Qwen3-Next on the trainer.
+NATIVE_GDN_REFUSAL = (
+    "Qwen3-Next (GDN) has no native Megatron build here: megatron-core's GatedDeltaNet "
+    "refuses to construct without flash-linear-attention (a CUDA/Triton package), allocates "
+    "its conv/dt_bias/A_log parameters on the CUDA device, refuses packed sequences, and only "
+    "runs the chunked delta rule (never bitwise equal to the engine's recurrent form); its "
+    "fused in_proj layout is not HF's either. Build it with isoexec=True."
+)
 
 
 def native_submodules() -> Submodules:
@@ -84,6 +105,7 @@ def native_submodules() -> Submodules:
 
 def isoexec_submodules() -> Submodules:
     """The canonical IsoExec modules (`isoexec.megatron.canonical_modules`) in every slot."""
+    from isoexec.megatron import canonical_gdn as gdn
     from isoexec.megatron import canonical_modules as cm
 
     return Submodules(
@@ -103,6 +125,10 @@ def isoexec_submodules() -> Submodules:
         moe_layer=cm.IsoMoELayer,
         model=cm.IsoGPTModel,
         rope_in_core_attention=True,
+        gated_attention=gdn.IsoGatedSelfAttention,
+        linear_attention=gdn.IsoGatedDeltaNet,
+        gated_norm=gdn.IsoGatedRMSNorm,
+        shared_experts=cm.IsoSharedExpertMLP,
     )
 
 
@@ -189,12 +215,32 @@ def transformer_config(
             moe_permute_fusion=False,
             moe_router_fusion=False,
         )
+        if arch.moe.shared_expert_intermediate_size:
+            kwargs.update(
+                moe_shared_expert_intermediate_size=arch.moe.shared_expert_intermediate_size,
+                moe_shared_expert_gate=True,
+                moe_shared_expert_overlap=False,
+            )
+    if arch.zero_centered_norms:
+        kwargs["layernorm_zero_centered_gamma"] = True
+    if arch.attn_output_gate:
+        kwargs["attention_output_gate"] = True
+    if arch.gdn is not None:
+        kwargs.update(
+            linear_conv_kernel_dim=arch.gdn.conv_kernel,
+            linear_key_head_dim=arch.gdn.key_head_dim,
+            linear_value_head_dim=arch.gdn.value_head_dim,
+            linear_num_key_heads=arch.gdn.num_key_heads,
+            linear_num_value_heads=arch.gdn.num_value_heads,
+        )
     if sub is not None and sub.activation is not None:
         kwargs["use_te_activation_func"] = True
     if sub is not None and sub.rope_in_core_attention:
         from isoexec.megatron.canonical_modules import IsoTransformerConfig
 
-        return IsoTransformerConfig(**kwargs, isoexec_rope_theta=arch.rope_theta)
+        return IsoTransformerConfig(
+            **kwargs, isoexec_rope_theta=arch.rope_theta, isoexec_rotary_dim=arch.rotary_dim
+        )
     return TransformerConfig(**kwargs)
 
 
@@ -218,13 +264,13 @@ def _check_tp(arch: ModelArch, tp: int) -> None:
 # ------------------------------------------------------------------------------------------
 
 
-def _attention_spec(sub: Submodules) -> Any:
+def _attention_spec(sub: Submodules, gated: bool = False) -> Any:
     from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(
-        module=SelfAttention,
+        module=(sub.gated_attention or SelfAttention) if gated else SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=sub.linear_qkv,
@@ -248,7 +294,7 @@ def _dense_mlp_spec(sub: Submodules) -> Any:
     )
 
 
-def _moe_spec(sub: Submodules) -> Any:
+def _moe_spec(sub: Submodules, shared_gated: bool = False) -> Any:
     from megatron.core.transformer.mlp import MLPSubmodules
     from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -261,9 +307,21 @@ def _moe_spec(sub: Submodules) -> Any:
             linear_fc2=sub.expert_linear_fc2,
         ),
     )
+    shared = None
+    if shared_gated:
+        from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+
+        shared = ModuleSpec(
+            module=sub.shared_experts or SharedExpertMLP,
+            submodules=MLPSubmodules(
+                linear_fc1=sub.linear_fc1,
+                activation_func=sub.activation,
+                linear_fc2=sub.linear_fc2,
+            ),
+        )
     return ModuleSpec(
         module=sub.moe_layer or MoELayer,
-        submodules=MoESubmodules(experts=experts, shared_experts=None, router=sub.router),
+        submodules=MoESubmodules(experts=experts, shared_experts=shared, router=sub.router),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )
 
@@ -291,11 +349,65 @@ def qwen3_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
     )
 
 
+def _gdn_spec(sub: Submodules) -> Any:
+    from isoexec.megatron.canonical_gdn import GDNSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    assert sub.linear_attention is not None and sub.gated_norm is not None
+    return ModuleSpec(
+        module=sub.linear_attention,
+        submodules=GDNSubmodules(
+            in_proj_qkvz=sub.linear_fc1,  # column-parallel, fused output as HF stores it
+            in_proj_ba=sub.linear_fc1,
+            norm=sub.gated_norm,
+            out_proj=sub.linear_fc2,
+        ),
+    )
+
+
+def qwen3_next_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
+    """Qwen3-Next decoder layer: zero-centred RMSNorm → GDN (linear_attention) or gated
+    attention with partial RoPE → zero-centred RMSNorm → MoE with gated shared expert / MLP.
+
+    Zero-centred norms come from `layernorm_zero_centered_gamma`, the rest from the slots.
+    """
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_layer import (
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    if sub.linear_attention is None or sub.gated_norm is None or sub.gated_attention is None:
+        raise NotImplementedError(f"{sub.name} modules: {NATIVE_GDN_REFUSAL}")
+    if arch.kinds[layer] == "linear_attention":
+        mixer = _gdn_spec(sub)
+    else:
+        mixer = _attention_spec(sub, gated=True)
+    if arch.moe_layers[layer]:
+        assert arch.moe is not None
+        mlp = _moe_spec(sub, shared_gated=arch.moe.shared_expert_intermediate_size > 0)
+    else:
+        mlp = _dense_mlp_spec(sub)
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=sub.norm,
+            self_attention=mixer,
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=sub.norm,
+            mlp=mlp,
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
 LayerSpecBuilder = Callable[[ModelArch, int, Submodules], Any]
 
 _LAYER_SPEC_BUILDERS: dict[str, LayerSpecBuilder] = {
     "Qwen3ForCausalLM": qwen3_layer_spec,
     "Qwen3MoeForCausalLM": qwen3_layer_spec,
+    "Qwen3NextForCausalLM": qwen3_next_layer_spec,
 }
 
 
@@ -325,10 +437,11 @@ def _norms_to_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
     Why: `WrappedTorchNorm` builds `torch.nn.RMSNorm` without `params_dtype`, so in a bf16 model
     its weights stay fp32 and promote the normalised activations to fp32, a different
     computation from HF's (and a different export dtype). Any other parameter off `dtype` is a
-    bug in the spec and is refused.
+    bug in the spec and is refused, except a parameter marked `isoexec_keep_fp32` (GDN's
+    `A_log`, fp32 on the engine too).
     """
     for name, p in model.named_parameters():
-        if p.dtype == dtype:
+        if p.dtype == dtype or getattr(p, "isoexec_keep_fp32", False):
             continue
         if name.endswith("norm.weight") and p.dtype == torch.float32:
             p.data = p.data.to(dtype)
@@ -374,11 +487,12 @@ def build_model(
 
         apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
 
+    spec = block_spec(arch, sub)  # first: refuses what these modules cannot build
     config = transformer_config(arch, tp=tp, dtype=dtype, sub=sub)
     model_cls = sub.model or GPTModel
     model = model_cls(
         config=config,
-        transformer_layer_spec=block_spec(arch, sub),
+        transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
         pre_process=True,
@@ -399,11 +513,13 @@ def build_model(
 
 
 __all__ = [
+    "NATIVE_GDN_REFUSAL",
     "Submodules",
     "block_spec",
     "build_model",
     "isoexec_submodules",
     "native_submodules",
     "qwen3_layer_spec",
+    "qwen3_next_layer_spec",
     "transformer_config",
 ]

@@ -10,6 +10,16 @@ pure reshuffle (view/cat/split, no arithmetic), so HF → Megatron → HF is bit
   `mlp.experts.{e}.{gate,up,down}_proj`; router `mlp.router.weight` ⇄ `mlp.gate.weight`,
 - q/k norm, input/pre-MLP/final norm, embeddings, output layer (absent when tied).
 
+Qwen3-Next adds:
+- gated attention: `linear_qkv.weight` per group [q heads of g; gate heads of g; k_g; v_g] ⇄
+  `q_proj` (per head [q_h; gate_h]), `k_proj`, `v_proj`;
+- GDN layers (`self_attention` = `IsoGatedDeltaNet`): `in_proj_qkvz`, `in_proj_ba`, `dt_bias`,
+  `A_log`, `norm.weight`, `out_proj` by identity (HF's fused per-group layouts are kept, the
+  engine GEMMs them as is), `conv1d_weight` ⇄ `linear_attn.conv1d.weight` [C, 1, W];
+  `A_log` is held (and exported) in fp32 whatever the model dtype, as the engine holds it;
+- shared expert: `mlp.shared_experts.linear_fc1` = cat(gate_proj, up_proj), `linear_fc2` ⇄
+  `down_proj`, `mlp.shared_experts.gate_weight` ⇄ `mlp.shared_expert_gate.weight`.
+
 Only TP=1 is implemented; with TP>1 both directions refuse (they need sharding and a gather).
 """
 
@@ -68,28 +78,35 @@ def _qkv_fns(
     Callable[[list[torch.Tensor]], torch.Tensor], Callable[[torch.Tensor], list[torch.Tensor]]
 ]:
     g, d, hidden = arch.num_kv_heads, arch.head_dim, arch.hidden_size
-    qpg = arch.num_attention_heads // arch.num_kv_heads  # query heads per group
+    h = arch.num_attention_heads
+    qpg = h // g  # query heads per group
+    gated = arch.attn_output_gate
+    gates = qpg if gated else 0  # gate heads per group (Megatron: right after the q heads)
 
     def to_megatron(ts: list[torch.Tensor]) -> torch.Tensor:
         q, k, v = ts
-        per_group = [
-            q.reshape(g, qpg * d, hidden),
-            k.reshape(g, d, hidden),
-            v.reshape(g, d, hidden),
-        ]
-        return torch.cat(per_group, dim=1).reshape(g * (qpg + 2) * d, hidden)
+        if gated:  # HF q_proj: per head [q_h; gate_h]
+            qg = q.reshape(h, 2, d, hidden)
+            parts = [qg[:, 0].reshape(g, qpg * d, hidden), qg[:, 1].reshape(g, qpg * d, hidden)]
+        else:
+            parts = [q.reshape(g, qpg * d, hidden)]
+        per_group = [*parts, k.reshape(g, d, hidden), v.reshape(g, d, hidden)]
+        return torch.cat(per_group, dim=1).reshape(g * (qpg + gates + 2) * d, hidden)
 
     def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
-        grouped = t.reshape(g, (qpg + 2) * d, hidden)
-        q, k, v = grouped.split([qpg * d, d, d], dim=1)
+        grouped = t.reshape(g, (qpg + gates + 2) * d, hidden)
+        q, gate, k, v = grouped.split([qpg * d, gates * d, d, d], dim=1)
+        if gated:
+            q = torch.stack([q.reshape(h, d, hidden), gate.reshape(h, d, hidden)], dim=1)
         return [q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)]
 
     return to_megatron, to_hf
 
 
 def param_mappings(arch: ModelArch) -> list[ParamMapping]:
-    """Every Megatron parameter of a model built from `arch`, mapped to HF names (Qwen3 family)."""
-    if arch.architecture not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"):
+    """Every Megatron parameter of a model built from `arch`, mapped to HF names (Qwen3 family,
+    Qwen3-Next)."""
+    if arch.architecture not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
         raise ValueError(f"no weight mapping for architecture {arch.architecture!r}")
     qkv_in, qkv_out = _qkv_fns(arch)
 
@@ -99,22 +116,49 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
     maps = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}", f"model.layers.{i}"
-        maps += [
-            same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"),
-            ParamMapping(
-                f"{m}.self_attention.linear_qkv.weight",
-                tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv"),
-                qkv_in,
-                qkv_out,
-            ),
-            same(f"{m}.self_attention.q_layernorm.weight", f"{h}.self_attn.q_norm.weight"),
-            same(f"{m}.self_attention.k_layernorm.weight", f"{h}.self_attn.k_norm.weight"),
-            same(f"{m}.self_attention.linear_proj.weight", f"{h}.self_attn.o_proj.weight"),
-            same(f"{m}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight"),
-        ]
+        maps.append(same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"))
+        if arch.kinds[i] == "linear_attention":
+            sa, la = f"{m}.self_attention", f"{h}.linear_attn"
+            maps += [
+                same(f"{sa}.{p}", f"{la}.{p}")
+                for p in (
+                    "in_proj_qkvz.weight",
+                    "in_proj_ba.weight",
+                    "dt_bias",
+                    "A_log",
+                    "norm.weight",
+                    "out_proj.weight",
+                )
+            ]
+            maps.append(same(f"{sa}.conv1d_weight", f"{la}.conv1d.weight"))
+        else:
+            maps += [
+                ParamMapping(
+                    f"{m}.self_attention.linear_qkv.weight",
+                    tuple(f"{h}.self_attn.{p}_proj.weight" for p in "qkv"),
+                    qkv_in,
+                    qkv_out,
+                ),
+                same(f"{m}.self_attention.q_layernorm.weight", f"{h}.self_attn.q_norm.weight"),
+                same(f"{m}.self_attention.k_layernorm.weight", f"{h}.self_attn.k_norm.weight"),
+                same(f"{m}.self_attention.linear_proj.weight", f"{h}.self_attn.o_proj.weight"),
+            ]
+        maps.append(same(f"{m}.pre_mlp_layernorm.weight", f"{h}.post_attention_layernorm.weight"))
         if arch.moe_layers[i]:
             assert arch.moe is not None
             maps.append(same(f"{m}.mlp.router.weight", f"{h}.mlp.gate.weight"))
+            if arch.moe.shared_expert_intermediate_size:
+                ms, hs = f"{m}.mlp.shared_experts", f"{h}.mlp.shared_expert"
+                maps += [
+                    ParamMapping(
+                        f"{ms}.linear_fc1.weight",
+                        (f"{hs}.gate_proj.weight", f"{hs}.up_proj.weight"),
+                        _glu_in,
+                        _glu_out,
+                    ),
+                    same(f"{ms}.linear_fc2.weight", f"{hs}.down_proj.weight"),
+                    same(f"{ms}.gate_weight", f"{h}.mlp.shared_expert_gate.weight"),
+                ]
             for e in range(arch.moe.num_experts):
                 me, he = f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}"
                 maps += [

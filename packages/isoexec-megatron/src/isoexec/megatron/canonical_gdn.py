@@ -1,0 +1,309 @@
+"""Qwen3-Next on the trainer: a canonical Gated DeltaNet layer, its gated output norm and the
+gated full attention, for Megatron's ModuleSpec slots.
+
+Megatron-core's own `GatedDeltaNet` cannot be the native arm on CPU (it needs
+flash-linear-attention, allocates on the CUDA device, refuses packed sequences and only runs
+the chunked delta rule, never bitwise equal to the recurrent form) and its fused `in_proj`
+layout is not HF's. So the linear-attention layer's `self_attention` slot holds
+`IsoGatedDeltaNet`, which computes exactly what the engine's `IsoQwenGatedDeltaNetAttention`
+(`isoexec.vllm.gdn`) computes for a request that starts from empty state:
+
+    in_proj_qkvz, in_proj_ba (canonical linears on HF's fused, per key-head-group layouts
+    [q | k | v×r | z×r] and [b | a]) -> split heads -> per packed sequence: `ops.gdn_conv`
+    (zero conv state) -> `ops.gdn_recurrence` (token-serial, zero fp32 state) ->
+    `ops.gated_rms_norm` -> out_proj (canonical linear)
+
+Per sequence because the GDN state of every sequence of a pack starts from zero at its
+boundary. The full-attention layers use Megatron's `SelfAttention` with
+`attention_output_gate` (linear_qkv per group [q | gate | k | v]); `IsoGatedSelfAttention`
+only replaces the gate's `x * sigmoid(gate.float())` by the engine's model-dtype
+`out * sigmoid(gate)` with the position-invariant sigmoid.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo, source_fingerprint
+from isoexec.contract.ops import _pointwise as pw
+from isoexec.megatron.canonical_modules import CanonicalSiteError, _require_tp1
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+
+# Byte-identical to `isoexec.vllm.gdn.attn_output_gate` (the source is fingerprinted, so the
+# two ImplInfos are equal); it belongs in isoexec.contract.ops once the gate becomes a site.
+def attn_output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`out * sigmoid(gate)` in the model dtype (as HF Qwen3-Next), sigmoid position-invariant."""
+    return out * pw.sigmoid(gate)
+
+
+ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
+    "attn_output_gate",
+    "isoexec.attn_output_gate.sigmoid_mul",
+    1,
+    ops.BACKEND,
+    {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
+    source_fingerprint(attn_output_gate, pw.pointwise, pw.padded_length),
+)
+
+
+def packed_bounds(
+    hidden_states: torch.Tensor, packed_seq_params: Any
+) -> tuple[torch.Tensor, list[int]]:
+    """(rows [T, H], sequence starts [0, .., T]) of Megatron's [s, b, H] input.
+
+    Packed ('thd', b = 1): the cu_seqlens; otherwise every batch row is one sequence.
+    """
+    s, b, h = hidden_states.shape
+    if packed_seq_params is None:
+        return hidden_states.transpose(0, 1).reshape(b * s, h), list(range(0, (b + 1) * s, s))
+    p = packed_seq_params
+    if p.qkv_format != "thd" or b != 1:
+        raise CanonicalSiteError(f"packed qkv_format {p.qkv_format!r} with batch {b} (only thd)")
+    cu = p.cu_seqlens_q.cpu()
+    for other in (p.cu_seqlens_kv, p.cu_seqlens_q_padded, p.cu_seqlens_kv_padded):
+        if other is not None and not torch.equal(other.cpu(), cu):
+            raise CanonicalSiteError("cu_seqlens for q, kv and padded forms must agree")
+    starts = [int(c) for c in cu.tolist()]
+    if starts[0] != 0 or starts[-1] != s or any(e < a for a, e in itertools.pairwise(starts)):
+        raise CanonicalSiteError(f"cu_seqlens {starts} do not cover {s} packed rows")
+    return hidden_states.reshape(s, h), starts
+
+
+class IsoGatedRMSNorm(torch.nn.Module):
+    """GDN output norm slot: `ops.gated_rms_norm(x, z, w)` = norm(x)·w·silu(z), fp32, one
+    rounding (vLLM's `RMSNormGated` under IsoExec). Plain gamma (not zero-centred)."""
+
+    isoexec_impl: ImplInfo = ops.get_impl("gated_rms_norm")
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = float(eps)
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+
+
+@dataclass
+class GDNSubmodules:
+    """The classes in the GDN layer's slots (Megatron-style, so a spec can swap them)."""
+
+    in_proj_qkvz: type
+    in_proj_ba: type
+    norm: type
+    out_proj: type
+
+
+class IsoGatedDeltaNet(MegatronModule):
+    """Linear-attention (`self_attention`) slot of a Qwen3-Next GDN layer, canonical.
+
+    Parameters, named and laid out as HF's `linear_attn.*` so weights load by identity:
+    `in_proj_qkvz.weight` [2·HK·K + 2·HV·V, H] (per key-head group [q | k | v×r | z×r]),
+    `in_proj_ba.weight` [2·HV, H] (per group [b×r | a×r]), `conv1d_weight` [C, 1, W] (channels
+    [q | k | v], HF's `conv1d.weight`), `dt_bias` [HV], `A_log` [HV], `norm.weight` [V],
+    `out_proj.weight` [H, HV·V]. Sizes come from TransformerConfig's `linear_*` fields.
+
+    `A_log` is fp32 whatever the model dtype, as vLLM holds it (`QwenGatedDeltaNetAttention`
+    creates it fp32): a bf16 model loaded from an fp32 checkpoint must not round it, or the
+    decay differs from the engine's. It is marked `isoexec_keep_fp32`.
+    """
+
+    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {
+        "gdn_conv": ops.get_impl("gdn_conv"),
+        "gdn_recurrence": ops.get_impl("gdn_recurrence"),
+    }
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: GDNSubmodules,
+        layer_number: int | None = None,
+        pg_collection: Any = None,
+        cp_comm_type: str | None = None,
+    ) -> None:
+        super().__init__(config=config)
+        _require_tp1(type(self).__name__, config)
+        problems = []
+        if config.activation_func is not torch.nn.functional.silu:
+            problems.append("conv activation other than silu")
+        if config.context_parallel_size != 1:
+            problems.append("context parallelism")
+        if config.sequence_parallel:
+            problems.append("sequence parallelism")
+        if config.add_bias_linear:
+            problems.append("linear biases")
+        if problems:
+            raise CanonicalSiteError("canonical GDN does not support: " + ", ".join(problems))
+        self.layer_number = layer_number
+        self.hk, self.hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        self.kd, self.vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
+        self.kernel = int(config.linear_conv_kernel_dim)
+        if self.hv % self.hk:
+            raise CanonicalSiteError(f"{self.hv} value heads not a multiple of {self.hk} key heads")
+        key_dim, value_dim = self.hk * self.kd, self.hv * self.vd
+        self.conv_dim = 2 * key_dim + value_dim
+        tp_group = getattr(pg_collection, "tp", None)
+        linear_kw: dict[str, Any] = dict(
+            config=config, bias=False, is_expert=False, tp_group=tp_group
+        )
+        self.in_proj_qkvz = build_module(
+            submodules.in_proj_qkvz,
+            config.hidden_size,
+            2 * key_dim + 2 * value_dim,
+            init_method=config.init_method,
+            gather_output=False,
+            skip_bias_add=False,
+            tp_comm_buffer_name="fc1",
+            **linear_kw,
+        )
+        self.in_proj_ba = build_module(
+            submodules.in_proj_ba,
+            config.hidden_size,
+            2 * self.hv,
+            init_method=config.init_method,
+            gather_output=False,
+            skip_bias_add=False,
+            tp_comm_buffer_name="fc1",
+            **linear_kw,
+        )
+        dtype = config.params_dtype
+        self.conv1d_weight = torch.nn.Parameter(
+            torch.empty(self.conv_dim, 1, self.kernel, dtype=dtype)
+        )
+        self.dt_bias = torch.nn.Parameter(torch.ones(self.hv, dtype=dtype))
+        self.A_log = torch.nn.Parameter(torch.empty(self.hv, dtype=torch.float32))
+        self.A_log.isoexec_keep_fp32 = True  # type: ignore[attr-defined]
+        if config.perform_initialization:  # HF's init; real runs load weights over it
+            with torch.no_grad():
+                bound = self.kernel**-0.5
+                self.conv1d_weight.uniform_(-bound, bound)
+                self.A_log.copy_(torch.empty(self.hv).uniform_(1, 16).log())
+        else:
+            torch.nn.init.zeros_(self.conv1d_weight)
+            torch.nn.init.zeros_(self.A_log)
+        self.norm = build_module(
+            submodules.norm, config=config, hidden_size=self.vd, eps=config.layernorm_epsilon
+        )
+        self.out_proj = build_module(
+            submodules.out_proj,
+            value_dim,
+            config.hidden_size,
+            init_method=config.output_layer_init_method,
+            input_is_parallel=True,
+            skip_bias_add=True,
+            tp_comm_buffer_name="fc2",
+            **linear_kw,
+        )
+
+    def split_projections(
+        self, mixed_qkvz: torch.Tensor, ba: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(conv input [T, C] = [q | k | v], z [T, HV, V], b [T, HV], a [T, HV]).
+
+        Pure data movement, vLLM's `fix_query_key_value_ordering` + concatenation.
+        """
+        t, r = mixed_qkvz.shape[0], self.hv // self.hk
+        qkvz = mixed_qkvz.view(t, self.hk, 2 * self.kd + 2 * r * self.vd)
+        q, k, v, z = torch.split(qkvz, [self.kd, self.kd, r * self.vd, r * self.vd], dim=2)
+        b, a = torch.split(ba.view(t, self.hk, 2 * r), [r, r], dim=2)
+        mixed_qkv = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return (
+            mixed_qkv,
+            z.reshape(t, self.hv, self.vd),
+            b.reshape(t, self.hv),
+            a.reshape(t, self.hv),
+        )
+
+    def core(
+        self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, starts: list[int]
+    ) -> torch.Tensor:
+        """Conv + recurrence per sequence, each from zero state: [T, HV, V] in x's dtype."""
+        conv_w = self.conv1d_weight.view(self.conv_dim, self.kernel)
+        hk, hv, kd, vd = self.hk, self.hv, self.kd, self.vd
+        outs = []
+        for s, e in itertools.pairwise(starts):
+            if e == s:
+                continue
+            y, _ = ops.gdn_conv(mixed_qkv[s:e], conv_w, None)
+            q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
+            o, _ = ops.gdn_recurrence(
+                q.reshape(e - s, hk, kd),
+                k.reshape(e - s, hk, kd),
+                v.reshape(e - s, hv, vd),
+                a[s:e],
+                b[s:e],
+                self.A_log,
+                self.dt_bias,
+                None,
+            )
+            outs.append(o.to(mixed_qkv.dtype))
+        if not outs:
+            return mixed_qkv.new_zeros(0, hv, vd)
+        return torch.cat(outs)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        inference_context: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+        **_: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """[s, b, H] -> ([s, b, H], None), Megatron's attention contract."""
+        if attention_mask is not None:
+            raise CanonicalSiteError(
+                "canonical GDN is causal from sequence boundaries: pass attention_mask=None "
+                "and express padding/packing with PackedSeqParams"
+            )
+        if inference_context is not None:
+            raise CanonicalSiteError("Megatron inference (GDN state caching) is not canonical")
+        if attention_bias is not None:
+            raise CanonicalSiteError("attention bias in a GDN layer")
+        s, bsz, h = hidden_states.shape
+        x, starts = packed_bounds(hidden_states, packed_seq_params)
+        mixed_qkvz, _ = self.in_proj_qkvz(x)
+        ba, _ = self.in_proj_ba(x)
+        mixed_qkv, z, b, a = self.split_projections(mixed_qkvz, ba)
+        core = self.core(mixed_qkv, b, a, starts)
+        out, _ = self.out_proj(self.norm(core, z).reshape(x.shape[0], -1))
+        if packed_seq_params is not None:
+            return out.reshape(s, bsz, h), None
+        return out.reshape(bsz, s, h).transpose(0, 1).contiguous(), None
+
+
+class IsoGatedSelfAttention(SelfAttention):
+    """Qwen3-Next full attention: Megatron's `SelfAttention` with `attention_output_gate`,
+    whose gate is the engine's `out * sigmoid(gate)` in the model dtype (Megatron computes
+    `x * sigmoid(gate.float())` and rounds once, a different result, with a length-dependent
+    CPU sigmoid)."""
+
+    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {"attn_output_gate": ATTN_OUTPUT_GATE_IMPL}
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+        if not config.attention_output_gate:
+            raise CanonicalSiteError("IsoGatedSelfAttention needs config.attention_output_gate")
+        super().__init__(config, *args, **kwargs)
+
+    def _apply_output_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return attn_output_gate(x, gate.contiguous().view(*x.shape))
+
+
+__all__ = [
+    "ATTN_OUTPUT_GATE_IMPL",
+    "GDNSubmodules",
+    "IsoGatedDeltaNet",
+    "IsoGatedRMSNorm",
+    "IsoGatedSelfAttention",
+    "attn_output_gate",
+    "packed_bounds",
+]
