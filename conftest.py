@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -57,21 +58,31 @@ def tiny_dense_dir(model_factory: Callable[[str, str], str]) -> str:
     return model_factory("tiny-dense", "float32")
 
 
+MAX_LIVE_ENGINES = 3  # ~1.5 GB each; the CI machine has 24 GB and runs a trainer too
+
+
 @pytest.fixture(scope="session")
 def engine_pool() -> Iterator[Callable[..., Any]]:
-    """Engines shared by the whole session, one per distinct `EngineConfig`.
+    """Engines shared across tests, one per distinct `EngineConfig`, at most a few alive.
 
-    Starting an engine costs 10-30 s, so tests share them; all are shut down at the end of the
-    session (and by the engine module's atexit hook if the session dies).
+    Starting an engine costs 10-30 s, so tests share them (tests using the same model sit
+    together); the least recently used engine is shut down when a new one would exceed
+    `MAX_LIVE_ENGINES`. All are shut down at the end of the session (and by the engine
+    module's atexit hook if the session dies).
     """
     from isoexec.vllm.engine_process import EngineConfig, EngineProcess
 
-    engines: dict[EngineConfig, EngineProcess] = {}
+    engines: OrderedDict[EngineConfig, EngineProcess] = OrderedDict()
 
     def get(**kwargs: Any) -> EngineProcess:
         cfg = EngineConfig(**kwargs)
-        if cfg not in engines:
-            engines[cfg] = EngineProcess(cfg)
+        if cfg in engines:
+            engines.move_to_end(cfg)
+            return engines[cfg]
+        while len(engines) >= MAX_LIVE_ENGINES:
+            _, oldest = engines.popitem(last=False)
+            oldest.close()
+        engines[cfg] = EngineProcess(cfg)
         return engines[cfg]
 
     try:

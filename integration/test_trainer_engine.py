@@ -35,25 +35,7 @@ def _hf(model: str) -> dict[str, Any]:
     return json.loads((Path(model) / "config.json").read_text())
 
 
-# Presets whose engine cannot take part in the gRPC handshake yet: the engine counts its
-# workers through `isoexec_weight_fingerprint`, whose HF-name export (`isoexec.vllm.weights.
-# hf_named_weights`) refuses GDN and shared-expert weights. For these the engine's contract is
-# compared directly (same bytes the handshake would compare); the check below fails as soon as
-# the engine's fingerprint works, so the handshake is then switched back on.
-HANDSHAKE_BLOCKED = {"tiny-gdn": "GDN / shared-expert export not built yet"}
-
-
-def _contracts_match(preset: str, contract: Any, engine: Any, run_id: str) -> None:
-    from isoexec.contract.contract import Contract
-    from isoexec.contract.diff import diff
-    from isoexec.vllm.engine_process import EngineError
-
-    if preset in HANDSHAKE_BLOCKED:
-        with pytest.raises(EngineError, match=HANDSHAKE_BLOCKED[preset]):
-            engine.call("weight_fingerprint")
-        engine_contract = Contract.from_bytes(engine.call("contract"), require_canonical=True)
-        assert engine_contract.hash == contract.hash, str(diff(contract, engine_contract))
-        return
+def _contracts_match(contract: Any, engine: Any, run_id: str) -> None:
     trainer_verdict, engine_verdict = handshake(contract, engine, run_id=run_id)
     assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
     assert engine_verdict["hash"] == contract.hash
@@ -72,7 +54,7 @@ def test_trainer_equals_engine_bitwise(
     engine = _engine(engine_pool, model_dir, dtype, True)
     trainer = trainer_factory(model_dir, dtype)
     contract = trainer_contract(trainer, _hf(model_dir), dtype)
-    _contracts_match(preset, contract, engine, f"{preset}-{dtype}")
+    _contracts_match(contract, engine, f"{preset}-{dtype}")
 
     prompts = make_prompts(len(TEMPS), int(_hf(model_dir)["vocab_size"]), seed=3)
     assert max(map(len, prompts)) > 2 * CHUNK  # one prompt is prefilled in several chunks

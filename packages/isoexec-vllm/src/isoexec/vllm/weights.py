@@ -23,7 +23,9 @@ def hf_named_weights(
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config["num_key_value_heads"])
     head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
+    # Qwen3-Next's q_proj holds [q_h | gate_h] per head: twice the query width.
+    gated = hf_config.get("model_type") == "qwen3_next" and hf_config.get("attn_output_gate", True)
+    q_size, kv_size = heads * head_dim * (2 if gated else 1), kv_heads * head_dim
     for name, param in model.named_parameters():
         t = param.detach()
         if getattr(param, "tp_size", 1) not in (1, None):
@@ -34,22 +36,29 @@ def hf_named_weights(
             yield base + "q_proj.weight", q
             yield base + "k_proj.weight", k
             yield base + "v_proj.weight", v
-        elif name.endswith("mlp.gate_up_proj.weight"):
+        elif name.endswith("gate_up_proj.weight"):  # mlp and shared_expert
             base = name[: -len("gate_up_proj.weight")]
             gate, up = t.chunk(2, dim=0)
             yield base + "gate_proj.weight", gate
             yield base + "up_proj.weight", up
-        elif name.endswith("mlp.experts.w13_weight"):
-            base = name[: -len("w13_weight")]
+        elif name.endswith("w13_weight"):
+            base = _experts_base(name, "w13_weight")
             for e, w in enumerate(t):
                 gate, up = w.chunk(2, dim=0)
                 yield f"{base}{e}.gate_proj.weight", gate
                 yield f"{base}{e}.up_proj.weight", up
-        elif name.endswith("mlp.experts.w2_weight"):
-            base = name[: -len("w2_weight")]
+        elif name.endswith("w2_weight"):
+            base = _experts_base(name, "w2_weight")
             for e, w in enumerate(t):
                 yield f"{base}{e}.down_proj.weight", w
-        elif "linear_attn" in name or "shared_expert" in name:
-            raise UnsupportedWeightLayoutError(f"{name}: GDN / shared-expert export not built yet")
         else:
             yield name, t
+
+
+def _experts_base(name: str, suffix: str) -> str:
+    """`…mlp.experts[.routed_experts].w13_weight` -> `…mlp.experts.` (HF per-expert names)."""
+    base = name[: -len(suffix)]
+    base = base.removesuffix("routed_experts.")
+    if not base.endswith("mlp.experts."):
+        raise UnsupportedWeightLayoutError(f"{name}: unknown expert weight layout")
+    return base

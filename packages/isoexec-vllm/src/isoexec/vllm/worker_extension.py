@@ -55,10 +55,13 @@ class IsoWorkerExtension:
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(
-        self, address: str, token: str, run_id: str, rank: int, timeout_s: float = 300.0
+        self, address: str, token: str, run_id: str, timeout_s: float = 300.0
     ) -> dict[str, Any]:
-        """Offer this worker's contract; clear it for weights only on MATCH."""
+        """Offer this worker's contract (as engine rank = its worker rank); clear it for
+        weights only on MATCH. All workers offer concurrently through one collective RPC."""
         from isoexec.contract.handshake.client import HandshakeClient
+
+        rank = int(getattr(self, "rank", 0))
 
         self._isoexec_gate: tuple[str, str, str, int] | None = None
         with HandshakeClient(address, token, timeout_s=timeout_s) as client:
@@ -108,6 +111,12 @@ class IsoWorkerExtension:
             model.load_weights(iter(received.items()))
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         return self.isoexec_weight_fingerprint()
+
+    def isoexec_param_shapes(self) -> list[tuple[str, list[int], str]]:
+        """(name, shape, dtype) of every parameter vLLM holds (to debug weight layouts)."""
+        return [
+            (n, list(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()
+        ]
 
     def isoexec_weight_fingerprint(self) -> str:
         """Fingerprint of the weights this worker holds, in canonical (HF) names."""
