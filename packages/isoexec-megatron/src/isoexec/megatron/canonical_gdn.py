@@ -29,30 +29,16 @@ from typing import Any, ClassVar
 import torch
 
 from isoexec.contract import ops
-from isoexec.contract.impl import ImplInfo, source_fingerprint
-from isoexec.contract.ops import _pointwise as pw
+from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_modules import CanonicalSiteError, _require_tp1
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-
-# Byte-identical to `isoexec.vllm.gdn.attn_output_gate` (the source is fingerprinted, so the
-# two ImplInfos are equal); it belongs in isoexec.contract.ops once the gate becomes a site.
-def attn_output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """`out * sigmoid(gate)` in the model dtype (as HF Qwen3-Next), sigmoid position-invariant."""
-    return out * pw.sigmoid(gate)
-
-
-ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
-    "attn_output_gate",
-    "isoexec.attn_output_gate.sigmoid_mul",
-    1,
-    ops.BACKEND,
-    {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
-    source_fingerprint(attn_output_gate, pw.pointwise, pw.padded_length),
-)
+# The gate is shared with the other side: isoexec.contract.ops.attn_output_gate.
+attn_output_gate = ops.attn_output_gate
+ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 
 
 def packed_bounds(

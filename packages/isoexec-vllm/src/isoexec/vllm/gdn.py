@@ -26,8 +26,7 @@ from typing import Any, ClassVar
 import torch
 
 from isoexec.contract import ops
-from isoexec.contract.impl import ImplInfo, source_fingerprint
-from isoexec.contract.ops import _pointwise as pw
+from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
@@ -38,21 +37,9 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
 
-
-def attn_output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """`out * sigmoid(gate)` in the model dtype (as HF Qwen3-Next), sigmoid position-invariant."""
-    return out * pw.sigmoid(gate)
-
-
-# Not an op of the contract registry (yet): described here so the contract still records it.
-ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
-    "attn_output_gate",
-    "isoexec.attn_output_gate.sigmoid_mul",
-    1,
-    ops.BACKEND,
-    {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
-    source_fingerprint(attn_output_gate, pw.pointwise, pw.padded_length),
-)
+# The gate is shared with the other side: isoexec.contract.ops.attn_output_gate.
+attn_output_gate = ops.attn_output_gate
+ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 
 
 # ---- gated output norm -----------------------------------------------------------------------

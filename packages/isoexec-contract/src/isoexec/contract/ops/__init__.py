@@ -15,7 +15,7 @@ from types import MappingProxyType, ModuleType
 
 from ..impl import ImplInfo, source_fingerprint
 from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
-from .activation import silu_mul
+from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .gdn import gdn_conv, gdn_recurrence
 from .gemm import (
@@ -143,6 +143,17 @@ def get_impl(op: str, **params: object) -> ImplInfo:
 
 REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})
 
+# Qwen3-Next's attention output gate. Not in `REGISTRY` (not every backend has it yet), and no
+# site of its own: recorded by the attention modules of both sides beside their core site.
+ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
+    "attn_output_gate",
+    "isoexec.attn_output_gate.sigmoid_mul",
+    1,
+    BACKEND,
+    {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
+    source_fingerprint(attn_output_gate, *_COMMON),
+)
+
 # Backends of the same ops: same function names and signatures, different bits, so a site
 # records which one it runs (`get_backend_impl`) and the contract tells them apart.
 BACKENDS = (BACKEND, "triton")
@@ -173,12 +184,14 @@ def get_backend_impl(op: str, backend: str = BACKEND, **params: object) -> ImplI
 
 
 __all__ = [
+    "ATTN_OUTPUT_GATE_IMPL",
     "BACKEND",
     "BACKENDS",
     "REGISTRY",
     "apply_rope",
     "attention_paged",
     "attention_varlen",
+    "attn_output_gate",
     "backend_ops",
     "combine_leaf_stats",
     "gated_rms_norm",

@@ -16,3 +16,11 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     i = x.shape[-1] // 2
     xf = x.float()
     return (pw.silu(xf[..., :i]) * xf[..., i:]).to(x.dtype)
+
+
+def attn_output_gate(out: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """`out * sigmoid(gate)` in the model dtype (as HF Qwen3-Next), sigmoid position-invariant.
+
+    Qwen3-Next's gated attention output; both sides call this one function.
+    """
+    return out * pw.sigmoid(gate)
