@@ -335,3 +335,22 @@ __all__ = [
     "rows_2d",
     "site_layer",
 ]
+
+
+# Sites whose op runs inside a bigger module on both sides, so no module output is theirs alone.
+UNTRACED_SITES: dict[str, str] = {
+    "mlp.router": "routed inside the experts runner; its effect is recorded at mlp.experts",
+    "linear_attn.conv": "runs inside the GDN block, no module output of its own",
+    "linear_attn.recurrence": "runs inside the GDN block, no module output of its own",
+}
+
+
+def first_tensor(out: Any) -> Any:
+    """The tensor a site's module produced (the first of a tuple, e.g. a norm's (y, residual))."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
+        return out[0]
+    return None

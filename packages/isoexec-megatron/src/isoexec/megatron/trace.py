@@ -30,25 +30,11 @@ from typing import Any
 import torch
 
 from isoexec.contract.sites import model_sites
-from isoexec.contract.trace import Trace, rows_2d
+from isoexec.contract.trace import UNTRACED_SITES, Trace, first_tensor, rows_2d
 from isoexec.megatron.contract_readback import _LAYER_PATHS, _TOP_PATHS
 from isoexec.megatron.hf_config import HFConfigSource, _read_source
 
 SIDE = "trainer"
-# Sites whose op runs inside a bigger module: that module's output is not the site's output.
-UNTRACED: dict[str, str] = {
-    "mlp.router": "the engine routes inside its experts runner; compared at mlp.experts",
-    "linear_attn.conv": "runs inside the GDN block, no module output of its own",
-    "linear_attn.recurrence": "runs inside the GDN block, no module output of its own",
-}
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    return None
 
 
 class TrainerTracer:
@@ -91,8 +77,8 @@ class TrainerTracer:
                 continue
             _, idx, rest = name.split(".", 2)
             prefix = f"decoder.layers.{idx}"
-            if rest in UNTRACED:
-                self.trace.untraced[name] = UNTRACED[rest]
+            if rest in UNTRACED_SITES:
+                self.trace.untraced[name] = UNTRACED_SITES[rest]
                 continue
             if rest == "self_attn.rope":
                 attn = modules.get(f"{prefix}.self_attention")
@@ -131,7 +117,7 @@ class TrainerTracer:
         self, site: str, *, perm: torch.Tensor | None = None, cols: int | None = None
     ) -> Callable[..., None]:
         def post(module: Any, args: Any, out: Any) -> None:
-            t = _first_tensor(out)
+            t = first_tensor(out)
             rows = None if t is None else rows_2d(t, self.n)
             if rows is not None and perm is not None:
                 rows = rows.index_select(1, perm.to(rows.device))

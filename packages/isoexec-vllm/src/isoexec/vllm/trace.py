@@ -32,23 +32,10 @@ from typing import Any
 import torch
 
 from isoexec.contract.sites import model_sites
-from isoexec.contract.trace import Trace, digest_rows, rows_2d
+from isoexec.contract.trace import UNTRACED_SITES, Trace, digest_rows, first_tensor, rows_2d
 from isoexec.vllm.readback import _module_path
 
 SIDE = "engine"
-UNTRACED: dict[str, str] = {
-    "mlp.router": "routed inside the experts runner; its effect is recorded at mlp.experts",
-    "linear_attn.conv": "runs inside the GDN block, no module output of its own",
-    "linear_attn.recurrence": "runs inside the GDN block, no module output of its own",
-}
-
-
-def _first_tensor(out: Any) -> torch.Tensor | None:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, tuple | list) and out and isinstance(out[0], torch.Tensor):
-        return out[0]
-    return None
 
 
 class EngineTracer:
@@ -82,8 +69,8 @@ class EngineTracer:
         for site in model_sites(hf_config):
             name = site.name
             rest = name.split(".", 2)[2] if name.startswith("layers.") else name
-            if rest in UNTRACED:
-                self.trace.untraced[name] = UNTRACED[rest]
+            if rest in UNTRACED_SITES:
+                self.trace.untraced[name] = UNTRACED_SITES[rest]
                 continue
             if name == "logprobs":
                 continue  # from the request's prompt logprobs (driver)
@@ -132,7 +119,7 @@ class EngineTracer:
 
     def _on_site(self, site: str) -> Callable[..., None]:
         def post(module: Any, args: Any, out: Any) -> None:
-            t = _first_tensor(out)
+            t = first_tensor(out)
             self._record(site, t, self.positions)
             if site == "final_norm" and t is not None and self.seq is not None:
                 rows = rows_2d(t, len(self.positions))
