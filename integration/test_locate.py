@@ -16,10 +16,11 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
+from _faults import widen_attention_tile
 
 from isoexec.contract import ops
 from isoexec.contract.locate import format_result, locate
@@ -116,24 +117,6 @@ def test_one_ulp_at_one_site_is_located_exactly(
     assert d.max_abs_diff is not None and 0 < d.max_abs_diff <= ulp
 
 
-class _WideTileAttention:
-    """A changed kernel: canonical attention with 32-wide KV tiles instead of 16."""
-
-    isoexec_impls: ClassVar[dict[str, Any]] = {
-        "attention": ops.get_impl("attention", kv_tile=32),
-        "rope": ops.get_impl("rope"),
-    }
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor):
-        from isoexec.megatron.canonical_modules import packed_positions
-
-        pos = packed_positions(cu, q.shape[0]).to(q.device)
-        cos, sin = ops.rope_cos_sin(pos, self.head_dim, self.rope_theta)  # type: ignore[attr-defined]
-        q = ops.apply_rope(q, cos, sin, self.head_dim)  # type: ignore[attr-defined]
-        k = ops.apply_rope(k, cos, sin, self.head_dim)  # type: ignore[attr-defined]
-        return ops.attention_varlen(q, k, v, cu, scale=self.scale, kv_tile=32)  # type: ignore[attr-defined]
-
-
 def test_changed_tile_in_one_layer_is_located_there(
     dense: str,
     engine_pool: Callable[..., Any],
@@ -145,7 +128,7 @@ def test_changed_tile_in_one_layer_is_located_there(
     from isoexec.contract.cli import main
 
     core = fresh_trainer.decoder.layers[1].self_attention.core_attention
-    core.__class__ = type("WideTileIsoCoreAttention", (_WideTileAttention, type(core)), {})
+    widen_attention_tile(core)
     engine = engine_pool(model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK)
     r = locate_pair(engine, fresh_trainer, _hf(dense), _sequences(dense), tmp_path)
     print(format_result(r))

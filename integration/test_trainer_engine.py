@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
+from _faults import widen_attention_tile
 
-from isoexec.contract import ops
 from isoexec.contract.pair import handshake, make_prompts, sample_and_score
 from isoexec.megatron import trainer_contract
 
@@ -82,24 +82,6 @@ def test_negative_control_stock_arm_differs(
     assert float((train - eng).abs().max()) < 0.5  # the same model, just other kernels
 
 
-class _WideTileAttention:
-    """A deliberately changed site: canonical attention with 32-wide KV tiles instead of 16."""
-
-    isoexec_impls: ClassVar[dict[str, Any]] = {
-        "attention": ops.get_impl("attention", kv_tile=32),
-        "rope": ops.get_impl("rope"),
-    }
-
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor):
-        from isoexec.megatron.canonical_modules import packed_positions
-
-        pos = packed_positions(cu, q.shape[0]).to(q.device)
-        cos, sin = ops.rope_cos_sin(pos, self.head_dim, self.rope_theta)  # type: ignore[attr-defined]
-        q = ops.apply_rope(q, cos, sin, self.head_dim)  # type: ignore[attr-defined]
-        k = ops.apply_rope(k, cos, sin, self.head_dim)  # type: ignore[attr-defined]
-        return ops.attention_varlen(q, k, v, cu, scale=self.scale, kv_tile=32)  # type: ignore[attr-defined]
-
-
 def test_changed_site_is_refused_on_both_sides(
     model_factory: Callable[[str, str], str],
     engine_pool: Callable[..., Any],
@@ -112,7 +94,7 @@ def test_changed_site_is_refused_on_both_sides(
     engine = _engine(engine_pool, model_dir, "float32", True)
     trainer = trainer_factory(model_dir, "float32", fresh=True)
     core = trainer.decoder.layers[1].self_attention.core_attention
-    core.__class__ = type("WideTileIsoCoreAttention", (_WideTileAttention, type(core)), {})
+    widen_attention_tile(core)
 
     contract = trainer_contract(trainer, _hf(model_dir), "float32")
     trainer_verdict, engine_verdict = handshake(contract, engine, run_id="changed-site")
