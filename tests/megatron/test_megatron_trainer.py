@@ -36,6 +36,7 @@ EXPECTED_SHIMS = {
     "shim_router_gating_on_cpu",
     "shim_moe_utils_without_te",
     "shim_cpu_rng_tracker",
+    "shim_tp_gather_on_cpu",
 }
 
 

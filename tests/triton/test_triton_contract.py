@@ -52,7 +52,8 @@ def test_every_op_has_a_triton_impl() -> None:
     assert BACKENDS == ("torch", "triton")
     for op, info in TRITON_REGISTRY.items():
         torch_info = REGISTRY[op]
-        assert info.op == op and info.backend == "triton" and torch_info.backend == "torch"
+        assert info.op == torch_info.op
+        assert info.backend == "triton" and torch_info.backend == "torch"
         assert info.impl_id != torch_info.impl_id and ".triton_" in info.impl_id
         assert len(info.source_fingerprint) == 32 and not info.is_native
         assert get_backend_impl(op, "triton") == info == get_triton_impl(op)

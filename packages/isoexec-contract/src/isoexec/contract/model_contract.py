@@ -80,6 +80,30 @@ def model_dtypes(hf_config: Mapping[str, Any], dtype: str) -> Dtypes:
     )
 
 
+# Sites both frameworks run row-parallel (input split along K across TP ranks).
+ROW_PARALLEL_SITE_SUFFIXES = (".o_proj", ".down_proj", ".out_proj")
+# The one impl of `linear` whose bits do not depend on how K is split across ranks.
+_TP_INVARIANT_LINEAR = "isoexec.linear.tp_leaves"
+
+
+def tp_invariant_sites(sites: Mapping[str, ImplInfo]) -> set[str]:
+    """The sites whose bits do not depend on the TP degree — the same rule on both sides.
+
+    A canonical site is TP-invariant when TP only changes which rows or heads a rank holds
+    (norms, rope, attention per head, column-parallel linears, whose output columns are
+    computed from their own weight rows, the gathered lm head and full-row logprobs, whole
+    experts); a row-parallel site only with the K-leaves linear. A native site never is.
+    """
+    out = set()
+    for name, impl in sites.items():
+        if impl.is_native:
+            continue
+        if name.endswith(ROW_PARALLEL_SITE_SUFFIXES) and impl.impl_id != _TP_INVARIANT_LINEAR:
+            continue
+        out.add(name)
+    return out
+
+
 def contract_for(
     hf_config: Mapping[str, Any],
     dtype: str,
@@ -90,7 +114,10 @@ def contract_for(
 ) -> Contract:
     """The contract of `hf_config` at `dtype` with what each site actually runs.
 
-    Refuses (ContractError) if `sites` misses a site of the model or records the wrong op.
+    TP-invariant sites (`tp_invariant_sites`) record "invariant", the others `tp_size`: a
+    trainer at TP=2 and an engine at TP=1 agree exactly when every site that differs in TP
+    is TP-invariant. Refuses (ContractError) if `sites` misses a site of the model or records
+    the wrong op.
     """
     return build_contract(
         model=model_identity(hf_config),
@@ -98,5 +125,6 @@ def contract_for(
         sites=sites,
         backend=backend or detect_backend(),
         tp_size=tp_size,
+        tp_invariant=tp_invariant_sites(sites),
         expected_sites=model_sites(hf_config),
     )

@@ -40,6 +40,10 @@ from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_tensor_model_parallel_region,
+)
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -68,25 +72,35 @@ class IsoTransformerConfig(TransformerConfig):
     isoexec_rope_theta: float | None = None
     # Rotated dims per head (partial RoPE, Qwen3-Next); None: the whole head.
     isoexec_rotary_dim: int | None = None
+    # Row-parallel sites (o_proj, down_proj): None = `ops.linear` (TP=1 only); G = the
+    # TP-invariant `linear_tp` with K in G fixed leaves, bitwise the same for every TP | G.
+    isoexec_tp_leaves: int | None = None
 
 
 def _require_tp1(what: str, config: TransformerConfig) -> None:
     if config.tensor_model_parallel_size != 1:
         raise CanonicalSiteError(
-            f"{what}: canonical modules are TP=1 only (TP-invariant linears are not wired); "
+            f"{what}: this canonical module is TP=1 only; "
             f"got TP={config.tensor_model_parallel_size}"
         )
 
 
+def _tp_size(module: torch.nn.Module) -> int:
+    return int(module.config.tensor_model_parallel_size)  # type: ignore[union-attr]
+
+
 # ---- linear layers ---------------------------------------------------------------------------
 class IsoColumnParallelLinear(ColumnParallelLinear):
-    """Column-parallel linear whose GEMM is `ops.linear` on the full (TP=1) weight."""
+    """Column-parallel linear whose GEMM is `ops.linear` on this rank's rows of the weight.
+
+    TP-invariant as it is: `ops.linear` computes every output column from that column's
+    weight row alone (its K order does not depend on N; tests/ops test_linear_column_split),
+    so a rank's columns carry the TP=1 bits. Megatron's autograd regions are kept: the input
+    is copied into the TP region (its gradient all-reduced), a gathered output is an exact
+    concatenation.
+    """
 
     isoexec_impl: ImplInfo = ops.get_impl("linear")
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        _require_tp1(type(self).__name__, self.config)
 
     def _weight_for_gemm(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -105,26 +119,70 @@ class IsoColumnParallelLinear(ColumnParallelLinear):
         if w is None:
             raise CanonicalSiteError("output layer without a weight (tied weight not passed)")
         bias = None if self.skip_bias_add else self.bias
+        tp = _tp_size(self)
+        if tp > 1:
+            input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
         out = self._columns_back(ops.linear(input_, self._weight_for_gemm(w)))
         if bias is not None:
             out = out + bias.to(out.dtype)  # ops.linear's bias rule: after the one rounding
+        gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
+        if tp > 1 and gather:
+            out = gather_from_tensor_model_parallel_region(out, group=self.tp_group)
         return out, (self.bias if self.skip_bias_add else None)
 
 
 class IsoRowParallelLinear(RowParallelLinear):
-    """Row-parallel linear (o_proj, down_proj) as `ops.linear` on the full (TP=1) weight."""
+    """Row-parallel linear (o_proj, down_proj): this rank holds the K-slice of the weight.
+
+    Without `isoexec_tp_leaves` it is `ops.linear` on the whole weight (TP=1 only: a K split
+    changes the reduction order). With G leaves it is the TP-invariant `linear_tp`: each rank
+    computes fp32 partial products of its G/TP fixed K-leaves, the leaves are all-gathered in
+    rank order (an exact copy) and summed in `ops.tp_tree_sum`'s fixed tree, then rounded once:
+    the same bits for TP=1, 2, 4, ... (any TP dividing G).
+    """
 
     isoexec_impl: ImplInfo = ops.get_impl("linear")
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        _require_tp1(type(self).__name__, self.config)
+        leaves = getattr(self.config, "isoexec_tp_leaves", None)
+        self.tp_leaves: int | None = None if leaves is None else int(leaves)
+        tp = _tp_size(self)
+        if self.tp_leaves is None:
+            if tp != 1:
+                raise CanonicalSiteError(
+                    f"{type(self).__name__} at TP={tp}: a K-split `ops.linear` is not "
+                    "TP-invariant; build with tp_invariant=True (the `linear_tp` leaves)"
+                )
+        else:
+            if self.tp_leaves % tp or self.input_size_per_partition % (self.tp_leaves // tp):
+                raise CanonicalSiteError(
+                    f"linear_tp leaves={self.tp_leaves} do not split TP={tp} x K-shard "
+                    f"{self.input_size_per_partition}"
+                )
+            self.isoexec_impl = ops.get_impl("linear_tp", leaves=self.tp_leaves)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        out = ops.linear(input_, self.weight)
-        if self.bias is not None and not self.skip_bias_add:
-            out = out + self.bias.to(out.dtype)
+        bias = self.bias if self.bias is not None and not self.skip_bias_add else None
+        if self.tp_leaves is None:
+            out = ops.linear(input_, self.weight, bias)
+        else:
+            out = self._leaf_linear(input_, bias)
         return out, (self.bias if self.skip_bias_add else None)
+
+    def _leaf_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        assert self.tp_leaves is not None
+        tp = _tp_size(self)
+        parts = ops.tp_leaf_partials(x, self.weight, leaves=self.tp_leaves // tp)  # [G/tp, M, N]
+        if tp > 1:
+            # Gather along the last dim (Megatron's region: backward takes this rank's slice).
+            parts = gather_from_tensor_model_parallel_region(
+                parts.permute(1, 2, 0).contiguous(), group=self.tp_group
+            ).permute(2, 0, 1)
+        y = ops.tp_tree_sum(parts)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
 
 
 def qkv_hf_row_order(
@@ -165,9 +223,10 @@ class IsoQKVLinear(IsoColumnParallelLinear):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         c = self.config
+        tp = _tp_size(self)  # this rank holds whole query groups: permute within them
         perm = qkv_hf_row_order(
-            c.num_attention_heads,
-            c.num_query_groups,
+            c.num_attention_heads // tp,
+            c.num_query_groups // tp,
             c.kv_channels,
             output_gate=bool(c.attention_output_gate),
         )
@@ -305,7 +364,7 @@ class IsoCoreAttention(MegatronModule):
             problems.append("no RoPE base (build the config as IsoTransformerConfig)")
         if problems:
             raise CanonicalSiteError("canonical attention does not support: " + ", ".join(problems))
-        _require_tp1(type(self).__name__, config)
+        # Any TP: heads are independent, and q/k/v arrive with this rank's heads only.
         self.head_dim = int(config.kv_channels)
         rotary_dim = getattr(config, "isoexec_rotary_dim", None)
         self.rotary_dim = self.head_dim if rotary_dim is None else int(rotary_dim)
@@ -410,6 +469,12 @@ class IsoSequentialMLP(SequentialMLP):
                 f"expert parallelism ({num_local_experts} of {config.num_moe_experts} experts "
                 "local) is not canonical yet"
             )
+        etp = config.expert_tensor_parallel_size
+        if etp not in (None, 1):
+            raise CanonicalSiteError(
+                f"expert tensor parallelism {etp}: experts must be whole on every TP rank "
+                "(megatron_parallel() sets expert_tensor_parallel_size=1)"
+            )
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H] = cat(gate, up), w2 [E, H, I]): Megatron's fc1/fc2 rows as is."""
@@ -461,6 +526,10 @@ class IsoMoELayer(MoELayer):
             )
         if self.use_shared_expert and self.shared_expert_overlap:
             raise CanonicalSiteError("overlapped shared experts are not canonical")
+        if self.use_shared_expert and _tp_size(self) > 1:
+            raise CanonicalSiteError(
+                "a shared expert at TP>1 is TP-sharded by Megatron; ops.moe_combine needs it whole"
+            )
         for name, mod in (("router", self.router), ("experts", self.experts)):
             if not hasattr(mod, "isoexec_impl"):
                 raise CanonicalSiteError(f"IsoMoELayer needs a canonical {name}, got {mod!r}")
@@ -507,7 +576,9 @@ class IsoGPTModel(GPTModel):
             init_method=self.config.init_method,
             bias=False,
             skip_bias_add=False,
-            gather_output=not self.parallel_output,
+            # Full-vocab logits on every rank (an exact gather at TP>1): the logprobs are then
+            # the canonical `ops.token_logprobs` over the whole row, as at TP=1 and on the engine.
+            gather_output=True,
             skip_weight_param_allocation=self.pre_process
             and self.share_embeddings_and_output_weights,
             embedding_activation_buffer=self.embedding_activation_buffer,

@@ -338,6 +338,36 @@ def shim_cpu_rng_tracker() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 8. Tensor-parallel gather (TP>1 over gloo)
+# --------------------------------------------------------------------------------------------
+
+
+def shim_tp_gather_on_cpu() -> None:
+    """Replace `mappings._gather_along_last_dim` with the 0.16.1 body, allocating on the input's
+    device.
+
+    Why: at TP>1 the gathered output of a column-parallel layer (the lm head's vocab, the
+    TP-invariant linear's leaves) is allocated with `device=torch.cuda.current_device()`. The
+    autograd functions call this module-level name, so replacing it covers them. The other
+    CUDA allocations in `mappings` are sequence-parallel / all-to-all paths the CPU trainer
+    does not build (sequence_parallel=False).
+    """
+    from megatron.core.tensor_parallel import mappings
+
+    def _gather_along_last_dim(input_: torch.Tensor, group: Any) -> torch.Tensor:
+        world_size = group.size()
+        if world_size == 1:
+            return input_
+        dim_size = list(input_.size())
+        dim_size[0] = dim_size[0] * world_size
+        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
+        mappings.dist_all_gather_func(output, input_.contiguous(), group=group)
+        return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
+
+    mappings._gather_along_last_dim = _gather_along_last_dim
+
+
+# --------------------------------------------------------------------------------------------
 
 _SHIMS: tuple[Callable[[], None], ...] = (
     shim_disable_jit_fuser,
@@ -347,6 +377,7 @@ _SHIMS: tuple[Callable[[], None], ...] = (
     shim_router_gating_on_cpu,
     shim_moe_utils_without_te,
     shim_cpu_rng_tracker,
+    shim_tp_gather_on_cpu,
 )
 
 # Shims that must be re-run when more Megatron modules have been imported since.

@@ -143,6 +143,7 @@ def transformer_config(
     tp: int = 1,
     dtype: torch.dtype = torch.float32,
     sub: Submodules | None = None,
+    tp_leaves: int | None = None,
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -214,6 +215,7 @@ def transformer_config(
             moe_shared_expert_intermediate_size=None,
             moe_permute_fusion=False,
             moe_router_fusion=False,
+            expert_tensor_parallel_size=1,  # as megatron_parallel() sets it
         )
         if arch.moe.shared_expert_intermediate_size:
             kwargs.update(
@@ -239,8 +241,13 @@ def transformer_config(
         from isoexec.megatron.canonical_modules import IsoTransformerConfig
 
         return IsoTransformerConfig(
-            **kwargs, isoexec_rope_theta=arch.rope_theta, isoexec_rotary_dim=arch.rotary_dim
+            **kwargs,
+            isoexec_rope_theta=arch.rope_theta,
+            isoexec_rotary_dim=arch.rotary_dim,
+            isoexec_tp_leaves=tp_leaves,
         )
+    if tp_leaves is not None:
+        raise ValueError("tp_leaves (the TP-invariant linear) needs the canonical submodules")
     return TransformerConfig(**kwargs)
 
 
@@ -455,13 +462,19 @@ def build_model(
     isoexec: bool = False,
     tp: int = 1,
     dtype: torch.dtype = torch.float32,
+    tp_invariant: bool = False,
 ) -> Any:
     """A Megatron-core `GPTModel` with the HF model's architecture (weights: see `weights`).
 
     Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
     must equal `tp`. `isoexec=True` installs the canonical submodules in every slot and then
     reads every op site back: a site left native is an error (`SiteNotInstalledError`), never
-    a silent fallback. isoexec is TP=1 only for now.
+    a silent fallback.
+
+    `tp_invariant=True` runs the row-parallel sites (o_proj, down_proj) as the TP-invariant
+    `linear_tp` (K in `DEFAULT_TP_LEAVES` fixed leaves, fixed tree): logprobs are then bitwise
+    the same at TP=1, 2, 4, 8 — but they are a different contract from the default
+    `linear` (an engine must run `linear_tp` at those sites too). isoexec with TP>1 needs it.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -477,10 +490,17 @@ def build_model(
         raise ValueError(
             f"tp={tp} but parallel_state has TP={ps.get_tensor_model_parallel_world_size()}"
         )
-    if isoexec and tp != 1:
+    if tp_invariant and not isoexec:
+        raise ValueError("tp_invariant=True is a canonical-op mode: it needs isoexec=True")
+    if isoexec and tp != 1 and not tp_invariant:
+        raise ValueError(
+            f"build_model(isoexec=True, tp={tp}): a K-split row-parallel linear is not "
+            "TP-invariant; pass tp_invariant=True (bitwise equal to tp=1 with tp_invariant=True)"
+        )
+    if isoexec and tp != 1 and arch.gdn is not None:
         raise NotImplementedError(
-            f"build_model(isoexec=True, tp={tp}): the canonical trainer is TP=1 only (TP-"
-            "invariant linears and vocab-parallel logprobs are not wired into Megatron yet)"
+            f"build_model(isoexec=True, tp={tp}) for {arch.architecture}: the canonical GDN "
+            "layer is TP=1 only (its heads/conv channels are not sharded yet)"
         )
     if not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
@@ -488,7 +508,10 @@ def build_model(
         apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
 
     spec = block_spec(arch, sub)  # first: refuses what these modules cannot build
-    config = transformer_config(arch, tp=tp, dtype=dtype, sub=sub)
+    from isoexec.contract.ops.gemm import DEFAULT_TP_LEAVES
+
+    leaves = DEFAULT_TP_LEAVES if tp_invariant else None
+    config = transformer_config(arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves)
     model_cls = sub.model or GPTModel
     model = model_cls(
         config=config,

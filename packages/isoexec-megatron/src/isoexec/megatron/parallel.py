@@ -85,6 +85,8 @@ def megatron_parallel(
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=1,
+            # Experts whole on every TP rank: the canonical MoE combine runs on whole experts.
+            expert_tensor_parallel_size=1,
         )
         try:
             model_parallel_cpu_manual_seed(seed)

@@ -70,23 +70,28 @@ def is_isoexec(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "isoexec_mode", False)) and "logprobs" in impls
 
 
-def _check_tp(model: torch.nn.Module) -> None:
-    tp = getattr(model.config, "tensor_model_parallel_size", 1)
-    if tp != 1:
-        raise NotImplementedError(
-            f"scoring with TP={tp}: vocab-parallel logprobs are not implemented yet"
-        )
+def _full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """Logits over the whole vocab. The isoexec output layer gathers them itself; a native
+    Megatron model at TP>1 returns this rank's vocab slice (`parallel_output`), gathered here
+    (an exact concatenation)."""
+    if logits.shape[-1] == _vocab_size(model):
+        return logits
+    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
+
+    full = gather_from_tensor_model_parallel_region(logits)
+    if full.shape[-1] != _vocab_size(model):
+        raise RuntimeError(f"logits cover {full.shape[-1]} of {_vocab_size(model)} vocab ids")
+    return full
 
 
 def _forward_logprobs(
     model: torch.nn.Module, ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
     """Native path: one sequence, batch size 1, Megatron's default causal mask."""
-    _check_tp(model)
     device = next(model.parameters()).device
     input_ids = ids.to(device).unsqueeze(0)  # [1, n]
     position_ids = torch.arange(ids.numel(), device=device).unsqueeze(0)
-    logits = model(input_ids, position_ids, attention_mask=None)  # [1, n, vocab]
+    logits = _full_vocab(model, model(input_ids, position_ids, attention_mask=None))  # [1, n, V]
     return token_logprobs(logits[0], input_ids[0], temperature)
 
 
@@ -124,7 +129,6 @@ def packed_logprobs(
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    _check_tp(model)
     device = next(model.parameters()).device
     lens = [int(s.numel()) for s in seqs]
     total = sum(lens)
@@ -145,8 +149,11 @@ def packed_logprobs(
         max_seqlen_q=max(bounds),
         max_seqlen_kv=max(bounds),
     )
-    logits = model(
-        ids.unsqueeze(0), positions.unsqueeze(0), attention_mask=None, packed_seq_params=params
+    logits = _full_vocab(
+        model,
+        model(
+            ids.unsqueeze(0), positions.unsqueeze(0), attention_mask=None, packed_seq_params=params
+        ),
     )[0]  # [T, vocab]
     # Rows predicting a next token of the same sequence, and that token.
     rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu.tolist(), lens, strict=False)])
@@ -206,12 +213,13 @@ def train_step(
 
     isoexec model: packed forwards (micro-batches of <= `max_tokens`), gradients accumulated,
     each scaled by its share of the tokens. Native: one sequence per forward. Either way the
-    step equals one on the token-mean loss. World size 1 only: no data-parallel reduction.
+    step equals one on the token-mean loss. Tensor parallelism is fine (Megatron's autograd
+    regions reduce what each rank needs); data parallelism is not wired (no gradient reduction).
     """
-    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
 
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        raise NotImplementedError("train_step: data/tensor parallel gradient sync not implemented")
+    if ps.model_parallel_is_initialized() and ps.get_data_parallel_world_size() > 1:
+        raise NotImplementedError("train_step: data-parallel gradient reduction is not wired")
     vocab = _vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
     total = sum(ids.numel() - 1 for ids in all_ids)

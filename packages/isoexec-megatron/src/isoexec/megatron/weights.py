@@ -36,6 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from isoexec.megatron.hf_config import ModelArch
+from isoexec.megatron.tp_layout import ShardSpec, gather_full, local_shard, shard_spec
 
 
 class CheckpointMismatchError(ValueError):
@@ -193,13 +194,11 @@ def _model_arch(model: torch.nn.Module) -> ModelArch:
     return arch
 
 
-def _check_tp1(model: torch.nn.Module) -> None:
-    tp = model.config.tensor_model_parallel_size  # type: ignore[union-attr]
-    if tp != 1:
-        raise NotImplementedError(
-            f"HF weight load/export with TP={tp}: sharding (load) and gathering (export) of "
-            "column/row-parallel weights is not implemented yet; only TP=1"
-        )
+def _full_shape(param: torch.Tensor, spec: ShardSpec | None) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if spec is not None:
+        shape[spec.dim] *= spec.size
+    return tuple(shape)
 
 
 def _checked_mappings(
@@ -207,7 +206,6 @@ def _checked_mappings(
 ) -> tuple[list[ParamMapping], dict[str, torch.nn.Parameter]]:
     """The mappings, verified to cover the model's parameters exactly (no more, no less)."""
     arch = _model_arch(model)
-    _check_tp1(model)
     maps = param_mappings(arch)
     params = dict(model.named_parameters())
     mapped = {m.megatron_name for m in maps}
@@ -290,9 +288,12 @@ def load_hf_weights(
         )
 
     # Shapes first, for every tensor: the expected HF shapes are the model's own export shapes.
+    specs = {m.megatron_name: shard_spec(m.megatron_name, params[m.megatron_name]) for m in maps}
     bad = []
     for m in maps:
-        for name, ref in zip(m.hf_names, m.to_hf(params[m.megatron_name]), strict=True):
+        p = params[m.megatron_name]
+        full = torch.empty(_full_shape(p, specs[m.megatron_name]), dtype=p.dtype, device="meta")
+        for name, ref in zip(m.hf_names, m.to_hf(full), strict=True):
             if tuple(hf[name].shape) != tuple(ref.shape):
                 bad.append(f"{name}: checkpoint {tuple(hf[name].shape)}, model {tuple(ref.shape)}")
     if bad:
@@ -300,7 +301,7 @@ def load_hf_weights(
 
     for m in maps:
         p = params[m.megatron_name]
-        value = m.to_megatron([hf[n] for n in m.hf_names])
+        value = local_shard(m.to_megatron([hf[n] for n in m.hf_names]), specs[m.megatron_name])
         if value.shape != p.shape:  # guarded above; a wrong transform must not pass silently
             raise RuntimeError(f"{m.megatron_name}: converted {tuple(value.shape)} != {p.shape}")
         p.copy_(value.to(dtype=p.dtype))
@@ -321,7 +322,9 @@ def export_hf_weights(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     """
     maps, params = _checked_mappings(model)
     for m in maps:
-        for name, t in zip(m.hf_names, m.to_hf(params[m.megatron_name].detach()), strict=True):
+        p = params[m.megatron_name].detach()
+        full = gather_full(p, shard_spec(m.megatron_name, params[m.megatron_name]))
+        for name, t in zip(m.hf_names, m.to_hf(full), strict=True):
             yield name, t.contiguous().clone()
 
 

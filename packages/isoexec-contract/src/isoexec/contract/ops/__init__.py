@@ -127,6 +127,13 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
 
 _COMMON = (_pointwise.padded_length, _pointwise.pointwise)
 
+# Registry entries that compute another entry's op by a different algorithm: the contract
+# records the site's op ("linear") and tells the algorithms apart by impl_id, so a TP-invariant
+# o_proj on one side and a plain one on the other is an impl mismatch at that site.
+OP_OF_VARIANT: MappingProxyType[str, str] = MappingProxyType(
+    {"linear_tp": "linear", "logprobs_vocab_parallel": "logprobs"}
+)
+
 
 def get_impl(op: str, **params: object) -> ImplInfo:
     """ImplInfo of the canonical `op`; keyword overrides (e.g. kv_tile=32) describe a
@@ -138,7 +145,8 @@ def get_impl(op: str, **params: object) -> ImplInfo:
     if unknown:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
-    return ImplInfo.make(op, impl_id, version, BACKEND, merged, source_fingerprint(*fns, *_COMMON))
+    fp = source_fingerprint(*fns, *_COMMON)
+    return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
 
 
 REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})
@@ -187,6 +195,7 @@ __all__ = [
     "ATTN_OUTPUT_GATE_IMPL",
     "BACKEND",
     "BACKENDS",
+    "OP_OF_VARIANT",
     "REGISTRY",
     "apply_rope",
     "attention_paged",

@@ -145,7 +145,9 @@ def get_triton_impl(op: str, **params: object) -> ImplInfo:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
     fp = source_fingerprint(*modules, _runtime)
-    return ImplInfo.make(op, impl_id, version, BACKEND, merged, fp)
+    from isoexec.contract.ops import OP_OF_VARIANT
+
+    return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
 
 
 TRITON_REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType(

@@ -1,0 +1,77 @@
+"""One rank of a `torchrun --nproc-per-node N` CPU (gloo) trainer run, for test_tp.py.
+
+For every job in the JSON job file: build the model at the job's TP inside
+`megatron_parallel(tp)`, load the HF checkpoint, score the sequences, optionally export the
+weights and run one training step, and (rank 0) save what it got. TP=1 jobs run in the same
+world (then every rank is a data-parallel replica), so one launch gives both sides of the
+comparison. The process group is created once here and outlives the per-job parallel states.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+
+
+def run_job(job: dict, seqs: list[list[int]]) -> dict:
+    from isoexec.megatron.model_builder import build_model
+    from isoexec.megatron.parallel import megatron_parallel
+    from isoexec.megatron.scoring import score, train_step
+    from isoexec.megatron.weights import export_hf_weights, load_hf_weights, read_hf_state_dict
+
+    dtype = getattr(torch, job["dtype"])
+    out: dict = {}
+    with megatron_parallel(job["tp"]):
+        model = build_model(
+            job["model"],
+            isoexec=job["isoexec"],
+            tp=job["tp"],
+            dtype=dtype,
+            tp_invariant=job.get("tp_invariant", False),
+        )
+        load_hf_weights(model, job["model"])
+        out["logprobs"] = score(model, seqs)
+        if job.get("round_trip"):
+            ref = read_hf_state_dict(job["model"])
+            exported = dict(export_hf_weights(model))
+            out["round_trip_exact"] = set(exported) == set(ref) and all(
+                torch.equal(exported[k], ref[k].to(exported[k].dtype)) for k in ref
+            )
+        if job.get("train"):
+            opt = torch.optim.SGD(model.parameters(), lr=0.5)
+            out["loss"] = train_step(model, opt, seqs)
+            out["logprobs_after_step"] = score(model, seqs)
+        if job.get("contract"):
+            from isoexec.megatron.contract_readback import trainer_contract
+
+            out["contract"] = trainer_contract(model, job["model"]).to_bytes()
+    return out
+
+
+def main() -> None:
+    job_file, out_file = sys.argv[1], sys.argv[2]
+    spec = json.loads(open(job_file).read())
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        results = []
+        for job in spec["jobs"]:
+            try:
+                results.append(run_job(job, spec["seqs"]))
+            except Exception as e:  # the test asserts on refusals by message
+                if not job.get("expect_error"):
+                    raise
+                results.append({"error": f"{type(e).__name__}: {e}"})
+        if dist.get_rank() == 0:
+            torch.save(results, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
