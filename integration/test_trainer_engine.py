@@ -42,7 +42,7 @@ def _contracts_match(contract: Any, engine: Any, run_id: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-gdn"])
+@pytest.mark.parametrize("preset", ["tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35"])
 def test_trainer_equals_engine_bitwise(
     preset: str,
     dtype: str,

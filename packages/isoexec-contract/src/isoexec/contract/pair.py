@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn")
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35")
 TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 

@@ -15,7 +15,11 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
 )
+
+# GDN / full-attention hybrids: per-layer `layer_types` decide the layer kind.
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -45,10 +49,10 @@ def layer_kinds(hf_config: Mapping[str, Any]) -> list[str]:
     """Per layer: 'attention' or 'linear_attention' (GDN), from the HF config."""
     n = int(hf_config["num_hidden_layers"])
     types = hf_config.get("layer_types")
-    if architecture(hf_config) != "Qwen3NextForCausalLM":
+    if architecture(hf_config) not in HYBRID_ARCHITECTURES:
         return ["attention"] * n
     if not types or len(types) != n:
-        raise UnsupportedModelError("Qwen3-Next config needs layer_types for every layer")
+        raise UnsupportedModelError("a GDN hybrid config needs layer_types for every layer")
     kinds = []
     for t in types:
         if t == "full_attention":
@@ -61,10 +65,12 @@ def layer_kinds(hf_config: Mapping[str, Any]) -> list[str]:
 
 
 def mlp_kinds(hf_config: Mapping[str, Any]) -> list[str]:
-    """Per layer: 'dense', 'moe' or 'moe_shared' (MoE with a gated shared expert)."""
+    """Per layer: 'dense', 'moe' or 'moe_shared' (MoE with a gated shared expert).
+
+    Qwen3.5 text (`Qwen3_5ForCausalLM`) has a dense SwiGLU MLP in every layer."""
     arch = architecture(hf_config)
     n = int(hf_config["num_hidden_layers"])
-    if arch == "Qwen3ForCausalLM":
+    if arch in ("Qwen3ForCausalLM", "Qwen3_5ForCausalLM"):
         return ["dense"] * n
     step = int(hf_config.get("decoder_sparse_step", 1))
     mlp_only = set(hf_config.get("mlp_only_layers") or [])
@@ -101,6 +107,9 @@ def model_sites(hf_config: Mapping[str, Any]) -> list[Site]:
             add(Site(f"{a}.o_proj", "linear"))
         else:
             g = f"{p}.linear_attn"
+            # Qwen3.5 stores in_proj_qkv/in_proj_z and in_proj_b/in_proj_a separately; both
+            # sides run each pair as one GEMM on the row-concatenated weight ([qkv; z], [b; a]),
+            # so the site is the fused projection, as for Qwen3-Next's fused checkpoint tensors.
             add(Site(f"{g}.in_proj_qkvz", "linear"))
             add(Site(f"{g}.in_proj_ba", "linear"))
             add(Site(f"{g}.conv", "gdn_conv"))

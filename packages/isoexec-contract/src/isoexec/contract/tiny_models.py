@@ -85,6 +85,40 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5 text: the same GDN / gated-attention hybrid with a dense SwiGLU MLP in every layer
+    # and split GDN input projections (in_proj_qkv/z/b/a). GDN layers both before and after an
+    # attention layer. rope_parameters carry an (interleaved) M-RoPE section like the real
+    # checkpoints; for text all three position components are equal, i.e. plain partial RoPE.
+    "tiny-qwen35": {
+        "model_type": "qwen3_5_text",
+        "vocab_size": 512,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "layer_types": [
+            "linear_attention",
+            "full_attention",
+            "linear_attention",
+            "full_attention",
+        ],
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000000.0,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [3, 3, 2],
+            "mrope_interleaved": True,
+        },
+        "linear_conv_kernel_dim": 4,
+        "linear_key_head_dim": 32,
+        "linear_value_head_dim": 32,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+    },
 }
 
 

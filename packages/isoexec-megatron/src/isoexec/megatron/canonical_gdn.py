@@ -1,5 +1,5 @@
-"""Qwen3-Next on the trainer: a canonical Gated DeltaNet layer, its gated output norm and the
-gated full attention, for Megatron's ModuleSpec slots.
+"""Qwen3-Next and Qwen3.5 text on the trainer: a canonical Gated DeltaNet layer, its gated
+output norm and the gated full attention, for Megatron's ModuleSpec slots.
 
 Megatron-core's own `GatedDeltaNet` cannot be the native arm on CPU (it needs
 flash-linear-attention, allocates on the CUDA device, refuses packed sequences and only runs
@@ -14,7 +14,11 @@ layout is not HF's. So the linear-attention layer's `self_attention` slot holds
     `ops.gated_rms_norm` -> out_proj (canonical linear)
 
 Per sequence because the GDN state of every sequence of a pack starts from zero at its
-boundary. The full-attention layers use Megatron's `SelfAttention` with
+boundary. Qwen3.5 stores the projections split (`in_proj_qkv`, `in_proj_z`, `in_proj_b`,
+`in_proj_a`); the layer then holds them row-concatenated, `[qkv; z]` and `[b; a]` ("flat"
+layout), exactly the fused weights vLLM's non-interleaved GDN layer GEMMs.
+
+The full-attention layers use Megatron's `SelfAttention` with
 `attention_output_gate` (linear_qkv per group [q | gate | k | v]); `IsoGatedSelfAttention`
 only replaces the gate's `x * sigmoid(gate.float())` by the engine's model-dtype
 `out * sigmoid(gate)` with the position-invariant sigmoid.
@@ -31,6 +35,7 @@ import torch
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_modules import CanonicalSiteError, _require_tp1
+from isoexec.megatron.hf_config import GDN_LAYOUTS
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -90,11 +95,13 @@ class GDNSubmodules:
 
 
 class IsoGatedDeltaNet(MegatronModule):
-    """Linear-attention (`self_attention`) slot of a Qwen3-Next GDN layer, canonical.
+    """Linear-attention (`self_attention`) slot of a GDN-hybrid layer, canonical.
 
-    Parameters, named and laid out as HF's `linear_attn.*` so weights load by identity:
-    `in_proj_qkvz.weight` [2·HK·K + 2·HV·V, H] (per key-head group [q | k | v×r | z×r]),
-    `in_proj_ba.weight` [2·HV, H] (per group [b×r | a×r]), `conv1d_weight` [C, 1, W] (channels
+    Parameters, named and laid out as HF's `linear_attn.*` so weights load by identity (or,
+    for the flat layout, by row concatenation):
+    `in_proj_qkvz.weight` [2·HK·K + 2·HV·V, H] (interleaved: per key-head group
+    [q | k | v×r | z×r]; flat: [q | k | v | z]), `in_proj_ba.weight` [2·HV, H] (interleaved:
+    per group [b×r | a×r]; flat: [b | a]), `conv1d_weight` [C, 1, W] (channels
     [q | k | v], HF's `conv1d.weight`), `dt_bias` [HV], `A_log` [HV], `norm.weight` [V],
     `out_proj.weight` [H, HV·V]. Sizes come from TransformerConfig's `linear_*` fields.
 
@@ -115,10 +122,13 @@ class IsoGatedDeltaNet(MegatronModule):
         layer_number: int | None = None,
         pg_collection: Any = None,
         cp_comm_type: str | None = None,
+        qkvz_layout: str = "interleaved",
     ) -> None:
         super().__init__(config=config)
         _require_tp1(type(self).__name__, config)
         problems = []
+        if qkvz_layout not in GDN_LAYOUTS:
+            problems.append(f"projection layout {qkvz_layout!r}")
         if config.activation_func is not torch.nn.functional.silu:
             problems.append("conv activation other than silu")
         if config.context_parallel_size != 1:
@@ -130,6 +140,7 @@ class IsoGatedDeltaNet(MegatronModule):
         if problems:
             raise CanonicalSiteError("canonical GDN does not support: " + ", ".join(problems))
         self.layer_number = layer_number
+        self.qkvz_layout = qkvz_layout
         self.hk, self.hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
         self.kd, self.vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
         self.kernel = int(config.linear_conv_kernel_dim)
@@ -195,9 +206,14 @@ class IsoGatedDeltaNet(MegatronModule):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(conv input [T, C] = [q | k | v], z [T, HV, V], b [T, HV], a [T, HV]).
 
-        Pure data movement, vLLM's `fix_query_key_value_ordering` + concatenation.
+        Pure data movement: vLLM's `fix_query_key_value_ordering` + concatenation
+        (interleaved), or its plain splits (flat).
         """
         t, r = mixed_qkvz.shape[0], self.hv // self.hk
+        if self.qkvz_layout == "flat":
+            mixed_qkv, z = mixed_qkvz.split([self.conv_dim, self.hv * self.vd], dim=-1)
+            b, a = ba.chunk(2, dim=-1)
+            return mixed_qkv, z.reshape(t, self.hv, self.vd), b, a
         qkvz = mixed_qkvz.view(t, self.hk, 2 * self.kd + 2 * r * self.vd)
         q, k, v, z = torch.split(qkvz, [self.kd, self.kd, r * self.vd, r * self.vd], dim=2)
         b, a = torch.split(ba.view(t, self.hk, 2 * r), [r, r], dim=2)

@@ -7,8 +7,9 @@ module needs no `transformers` (the trainer package does not depend on it): it r
 
 Supported: `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `Qwen3NextForCausalLM` (GDN hybrid:
 linear-attention layers, gated full attention with partial RoPE, zero-centred norms, MoE with a
-gated shared expert). A new architecture adds a parser to `_PARSERS` (and, in `model_builder`,
-a layer-spec builder).
+gated shared expert), `Qwen3_5ForCausalLM` (Qwen3.5 text: the same hybrid with a dense SwiGLU
+MLP in every layer and split GDN input projections). A new architecture adds a parser to
+`_PARSERS` (and, in `model_builder`, a layer-spec builder).
 """
 
 from __future__ import annotations
@@ -41,15 +42,23 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0
 
 
+# How a GDN layer's input projections are laid out in the checkpoint (vLLM's `qkvz_layout`):
+# "interleaved": Qwen3-Next's fused `in_proj_qkvz` per key-head group [q | k | v×r | z×r] and
+# `in_proj_ba` per group [b×r | a×r]; "flat": Qwen3.5's separate `in_proj_qkv` ([q | k | v]),
+# `in_proj_z`, `in_proj_b`, `in_proj_a`, which both sides GEMM row-concatenated.
+GDN_LAYOUTS = ("interleaved", "flat")
+
+
 @dataclass(frozen=True)
 class GDNConfig:
-    """Gated DeltaNet (linear attention) layer sizes, Qwen3-Next's `linear_*` fields."""
+    """Gated DeltaNet (linear attention) layer sizes, the `linear_*` config fields."""
 
     conv_kernel: int
     num_key_heads: int
     num_value_heads: int
     key_head_dim: int
     value_head_dim: int
+    layout: str = "interleaved"
 
 
 @dataclass(frozen=True)
@@ -133,9 +142,19 @@ def _require(cfg: Mapping[str, Any], key: str) -> Any:
     return cfg[key]
 
 
-def _rope(cfg: Mapping[str, Any], *, allow_partial: bool = False) -> tuple[float, float]:
+# M-RoPE fields Qwen3.5 carries from its multimodal parent. A text model's three position
+# components (T, H, W) are equal, so M-RoPE of any section split is 1-D RoPE (vLLM drops
+# these fields for `Qwen3_5ForCausalLM` as well).
+MROPE_FIELDS = frozenset({"mrope_section", "mrope_interleaved"})
+
+
+def _rope(
+    cfg: Mapping[str, Any], *, allow_partial: bool = False, text_mrope: bool = False
+) -> tuple[float, float]:
     """(RoPE base, partial rotary factor) from `rope_parameters` (transformers>=5) or
-    `rope_theta`/`rope_scaling`/`partial_rotary_factor` (<5)."""
+    `rope_theta`/`rope_scaling`/`partial_rotary_factor` (<5).
+
+    `text_mrope`: the M-RoPE fields are accepted (text-only positions make it 1-D RoPE)."""
     params = cfg.get("rope_parameters")
     top_partial = cfg.get("partial_rotary_factor")
     if params is not None:
@@ -143,6 +162,8 @@ def _rope(cfg: Mapping[str, Any], *, allow_partial: bool = False) -> tuple[float
         if rope_type != "default":
             raise UnsupportedConfigError(f"rope_type {rope_type!r} (only 'default' RoPE)")
         extra = set(params) - {"rope_theta", "rope_type", "type", "partial_rotary_factor"}
+        if text_mrope:
+            extra -= MROPE_FIELDS
         if extra:
             raise UnsupportedConfigError(f"rope_parameters fields {sorted(extra)}")
         theta = float(params["rope_theta"])
@@ -163,10 +184,13 @@ def _rope(cfg: Mapping[str, Any], *, allow_partial: bool = False) -> tuple[float
     return theta, partial
 
 
-def _common(cfg: Mapping[str, Any], arch: str, *, hybrid: bool = False) -> dict[str, Any]:
+def _common(
+    cfg: Mapping[str, Any], arch: str, *, hybrid: bool = False, text_mrope: bool = False
+) -> dict[str, Any]:
     """Fields and refusals shared by the Qwen3 family (GQA, qk-norm, SwiGLU, RMSNorm, RoPE).
 
-    `hybrid` (Qwen3-Next): layer_types and partial RoPE are the caller's to parse."""
+    `hybrid` (Qwen3-Next, Qwen3.5): layer_types and partial RoPE are the caller's to parse;
+    `text_mrope` (Qwen3.5): see `_rope`."""
     if cfg.get("hidden_act", "silu") != "silu":
         raise UnsupportedConfigError(f"hidden_act {cfg['hidden_act']!r} (only silu/SwiGLU)")
     if cfg.get("attention_bias", False):
@@ -177,7 +201,7 @@ def _common(cfg: Mapping[str, Any], arch: str, *, hybrid: bool = False) -> dict[
     layer_types = cfg.get("layer_types")
     if not hybrid and layer_types is not None and any(t != "full_attention" for t in layer_types):
         raise UnsupportedConfigError(f"layer_types {sorted(set(layer_types))}")
-    rope_theta, _ = _rope(cfg, allow_partial=hybrid)
+    rope_theta, _ = _rope(cfg, allow_partial=hybrid, text_mrope=text_mrope)
     hidden = int(_require(cfg, "hidden_size"))
     heads = int(_require(cfg, "num_attention_heads"))
     head_dim = cfg.get("head_dim")
@@ -244,15 +268,13 @@ def _moe(
     return (moe if any(moe_layers) else None), moe_layers
 
 
-def _parse_qwen3_next(cfg: Mapping[str, Any], arch: str) -> ModelArch:
-    """Qwen3-Next: GDN + gated-attention hybrid, zero-centred norms, MoE + gated shared expert.
-
-    Mirrors what vLLM's `Qwen3NextForCausalLM` builds; every variant it could also build but
-    IsoExec's canonical layers do not express is refused here.
-    """
-    common = _common(cfg, arch, hybrid=True)
-    n = common["num_layers"]
-    _, partial = _rope(cfg, allow_partial=True)
+def _hybrid(
+    cfg: Mapping[str, Any], n: int, *, layout: str, text_mrope: bool = False
+) -> dict[str, Any]:
+    """The GDN-hybrid fields (Qwen3-Next, Qwen3.5): layer kinds, GDN sizes, partial RoPE,
+    zero-centred norms, gated attention; refuses the variants vLLM could build but the
+    canonical layers do not express."""
+    _, partial = _rope(cfg, allow_partial=True, text_mrope=text_mrope)
     types = cfg.get("layer_types")
     if not types or len(types) != n:
         raise UnsupportedConfigError(f"layer_types must name all {n} layers, got {types!r}")
@@ -273,29 +295,61 @@ def _parse_qwen3_next(cfg: Mapping[str, Any], arch: str) -> ModelArch:
         num_value_heads=int(_require(cfg, "linear_num_value_heads")),
         key_head_dim=int(_require(cfg, "linear_key_head_dim")),
         value_head_dim=int(_require(cfg, "linear_value_head_dim")),
+        layout=layout,
     )
     if gdn.num_value_heads % gdn.num_key_heads:
         raise UnsupportedConfigError("linear_num_value_heads not a multiple of key heads")
+    return {
+        "layer_kinds": tuple(kinds),
+        "gdn": gdn if "linear_attention" in kinds else None,
+        "partial_rotary_factor": partial,
+        "zero_centered_norms": True,
+        "attn_output_gate": True,
+    }
+
+
+def _parse_qwen3_next(cfg: Mapping[str, Any], arch: str) -> ModelArch:
+    """Qwen3-Next: GDN + gated-attention hybrid, zero-centred norms, MoE + gated shared expert.
+
+    Mirrors what vLLM's `Qwen3NextForCausalLM` builds; every variant it could also build but
+    IsoExec's canonical layers do not express is refused here.
+    """
+    common = _common(cfg, arch, hybrid=True)
+    n = common["num_layers"]
+    hybrid = _hybrid(cfg, n, layout="interleaved")
     shared = int(cfg.get("shared_expert_intermediate_size") or 0)
     if shared <= 0:
         raise UnsupportedConfigError("Qwen3-Next without a shared expert")
     moe, moe_layers = _moe(cfg, n, shared=shared)
-    return ModelArch(
-        **common,
-        moe=moe,
-        moe_layers=moe_layers,
-        layer_kinds=tuple(kinds),
-        gdn=gdn if "linear_attention" in kinds else None,
-        partial_rotary_factor=partial,
-        zero_centered_norms=True,
-        attn_output_gate=True,
-    )
+    return ModelArch(**common, moe=moe, moe_layers=moe_layers, **hybrid)
+
+
+def _parse_qwen3_5_text(cfg: Mapping[str, Any], arch: str) -> ModelArch:
+    """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`): Qwen3-Next's hybrid with
+    a dense SwiGLU MLP in every layer and split GDN projections ("flat" layout).
+
+    As transformers' `modeling_qwen3_5` (checked there, not assumed): GDN layers with conv
+    activation `hidden_act`, `RMSNormGated` output norm (plain gamma), zero-centred
+    `Qwen3_5RMSNorm` everywhere else (q/k norm included), q_proj per head [q_h | gate_h] with
+    output `attn * sigmoid(gate)`, partial neox RoPE whose M-RoPE sections are moot for text.
+    """
+    common = _common(cfg, arch, hybrid=True, text_mrope=True)
+    n = common["num_layers"]
+    hybrid = _hybrid(cfg, n, layout="flat", text_mrope=True)
+    for moe_field in ("num_experts", "num_local_experts", "shared_expert_intermediate_size"):
+        if cfg.get(moe_field):
+            raise UnsupportedConfigError(
+                f"{moe_field}={cfg[moe_field]} (Qwen3.5 text has a dense MLP; "
+                "Qwen3.5-MoE is another architecture)"
+            )
+    return ModelArch(**common, moe=None, moe_layers=(False,) * n, **hybrid)
 
 
 _PARSERS: dict[str, Callable[[Mapping[str, Any], str], ModelArch]] = {
     "Qwen3ForCausalLM": _parse_qwen3,
     "Qwen3MoeForCausalLM": _parse_qwen3_moe,
     "Qwen3NextForCausalLM": _parse_qwen3_next,
+    "Qwen3_5ForCausalLM": _parse_qwen3_5_text,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_PARSERS))
@@ -321,6 +375,7 @@ def load_hf_config(src: HFConfigSource) -> ModelArch:
 
 
 __all__ = [
+    "GDN_LAYOUTS",
     "SUPPORTED_ARCHITECTURES",
     "GDNConfig",
     "HFConfigSource",

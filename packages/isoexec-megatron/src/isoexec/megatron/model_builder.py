@@ -12,11 +12,11 @@ class. `native_submodules()` is Megatron's own local (no-TE) implementation;
 `build_model(..., isoexec=True)`. A new architecture adds a `LayerSpecBuilder` to
 `_LAYER_SPEC_BUILDERS`.
 
-Qwen3-Next (GDN hybrid) is built in isoexec mode only: its linear-attention layers put
-`canonical_gdn.IsoGatedDeltaNet` in the `self_attention` slot, its full-attention layers
-Megatron's gated `SelfAttention` (`IsoGatedSelfAttention`), and its MoE layers get a gated
-shared expert. Megatron's own `GatedDeltaNet` cannot be a native arm on CPU (see
-`NATIVE_GDN_REFUSAL`).
+The GDN hybrids, Qwen3-Next and Qwen3.5 text, are built in isoexec mode only: their
+linear-attention layers put `canonical_gdn.IsoGatedDeltaNet` in the `self_attention` slot,
+their full-attention layers Megatron's gated `SelfAttention` (`IsoGatedSelfAttention`);
+Qwen3-Next's MoE layers get a gated shared expert, Qwen3.5's layers a dense MLP. Megatron's own
+`GatedDeltaNet` cannot be a native arm on CPU (see `NATIVE_GDN_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -69,13 +69,13 @@ class Submodules:
     shared_experts: type | None = None  # gated shared expert of a MoE layer
 
 
-# Why there is no native Qwen3-Next on the trainer.
+# Why there is no native Qwen3-Next / Qwen3.5 on the trainer.
 NATIVE_GDN_REFUSAL = (
-    "Qwen3-Next (GDN) has no native Megatron build here: megatron-core's GatedDeltaNet "
-    "refuses to construct without flash-linear-attention (a CUDA/Triton package), allocates "
-    "its conv/dt_bias/A_log parameters on the CUDA device, refuses packed sequences, and only "
-    "runs the chunked delta rule (never bitwise equal to the engine's recurrent form); its "
-    "fused in_proj layout is not HF's either. Build it with isoexec=True."
+    "GDN hybrids (Qwen3-Next, Qwen3.5) have no native Megatron build here: megatron-core's "
+    "GatedDeltaNet refuses to construct without flash-linear-attention (a CUDA/Triton "
+    "package), allocates its conv/dt_bias/A_log parameters on the CUDA device, refuses packed "
+    "sequences, and only runs the chunked delta rule (never bitwise equal to the engine's "
+    "recurrent form); its fused in_proj layout is not HF's either. Build it with isoexec=True."
 )
 
 
@@ -356,13 +356,15 @@ def qwen3_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
     )
 
 
-def _gdn_spec(sub: Submodules) -> Any:
+def _gdn_spec(arch: ModelArch, sub: Submodules) -> Any:
     from isoexec.megatron.canonical_gdn import GDNSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     assert sub.linear_attention is not None and sub.gated_norm is not None
+    assert arch.gdn is not None
     return ModuleSpec(
         module=sub.linear_attention,
+        params={"qkvz_layout": arch.gdn.layout},
         submodules=GDNSubmodules(
             in_proj_qkvz=sub.linear_fc1,  # column-parallel, fused output as HF stores it
             in_proj_ba=sub.linear_fc1,
@@ -373,10 +375,12 @@ def _gdn_spec(sub: Submodules) -> Any:
 
 
 def qwen3_next_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
-    """Qwen3-Next decoder layer: zero-centred RMSNorm → GDN (linear_attention) or gated
-    attention with partial RoPE → zero-centred RMSNorm → MoE with gated shared expert / MLP.
+    """GDN-hybrid decoder layer (Qwen3-Next, Qwen3.5 text): zero-centred RMSNorm → GDN
+    (linear_attention) or gated attention with partial RoPE → zero-centred RMSNorm → MoE with
+    gated shared expert (Qwen3-Next sparse layers) / dense MLP.
 
-    Zero-centred norms come from `layernorm_zero_centered_gamma`, the rest from the slots.
+    Zero-centred norms come from `layernorm_zero_centered_gamma`, the GDN projection layout
+    from `arch.gdn.layout`, the rest from the slots.
     """
     from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
     from megatron.core.transformer.spec_utils import ModuleSpec
@@ -388,7 +392,7 @@ def qwen3_next_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
     if sub.linear_attention is None or sub.gated_norm is None or sub.gated_attention is None:
         raise NotImplementedError(f"{sub.name} modules: {NATIVE_GDN_REFUSAL}")
     if arch.kinds[layer] == "linear_attention":
-        mixer = _gdn_spec(sub)
+        mixer = _gdn_spec(arch, sub)
     else:
         mixer = _attention_spec(sub, gated=True)
     if arch.moe_layers[layer]:
@@ -415,6 +419,7 @@ _LAYER_SPEC_BUILDERS: dict[str, LayerSpecBuilder] = {
     "Qwen3ForCausalLM": qwen3_layer_spec,
     "Qwen3MoeForCausalLM": qwen3_layer_spec,
     "Qwen3NextForCausalLM": qwen3_next_layer_spec,
+    "Qwen3_5ForCausalLM": qwen3_next_layer_spec,
 }
 
 

@@ -20,6 +20,11 @@ Qwen3-Next adds:
 - shared expert: `mlp.shared_experts.linear_fc1` = cat(gate_proj, up_proj), `linear_fc2` ⇄
   `down_proj`, `mlp.shared_experts.gate_weight` ⇄ `mlp.shared_expert_gate.weight`.
 
+Qwen3.5 text is Qwen3-Next's attention and GDN mapping with a dense MLP in every layer, except
+that its checkpoint splits the GDN projections: `in_proj_qkvz` = cat(`in_proj_qkv`,
+`in_proj_z`) and `in_proj_ba` = cat(`in_proj_b`, `in_proj_a`) (rows; the "flat" layout, what
+vLLM's non-interleaved GDN layer holds).
+
 Only TP=1 is implemented; with TP>1 both directions refuse (they need sharding and a gather).
 """
 
@@ -104,10 +109,66 @@ def _qkv_fns(
     return to_megatron, to_hf
 
 
+MAPPED_ARCHITECTURES = (
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+)
+
+
+def _rows_fns(
+    sizes: list[int],
+) -> tuple[
+    Callable[[list[torch.Tensor]], torch.Tensor], Callable[[torch.Tensor], list[torch.Tensor]]
+]:
+    """Row concatenation of HF tensors with `sizes` rows each, and its inverse."""
+
+    def to_megatron(ts: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(ts, dim=0)
+
+    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
+        if t.shape[0] != sum(sizes):
+            raise CheckpointMismatchError(f"{tuple(t.shape)} does not split into rows {sizes}")
+        return list(t.split(sizes, dim=0))
+
+    return to_megatron, to_hf
+
+
+def _gdn_projection_mappings(arch: ModelArch, sa: str, la: str) -> list[ParamMapping]:
+    """The GDN input projections: fused checkpoint tensors by identity (Qwen3-Next), or the
+    split ones row-concatenated (Qwen3.5, "flat")."""
+    gdn = arch.gdn
+    assert gdn is not None
+    if gdn.layout == "interleaved":
+        return [
+            ParamMapping(f"{sa}.{p}", (f"{la}.{p}",), _identity_in, _identity_out)
+            for p in ("in_proj_qkvz.weight", "in_proj_ba.weight")
+        ]
+    key_dim = gdn.num_key_heads * gdn.key_head_dim
+    value_dim = gdn.num_value_heads * gdn.value_head_dim
+    qkvz_in, qkvz_out = _rows_fns([2 * key_dim + value_dim, value_dim])
+    ba_in, ba_out = _rows_fns([gdn.num_value_heads, gdn.num_value_heads])
+    return [
+        ParamMapping(
+            f"{sa}.in_proj_qkvz.weight",
+            (f"{la}.in_proj_qkv.weight", f"{la}.in_proj_z.weight"),
+            qkvz_in,
+            qkvz_out,
+        ),
+        ParamMapping(
+            f"{sa}.in_proj_ba.weight",
+            (f"{la}.in_proj_b.weight", f"{la}.in_proj_a.weight"),
+            ba_in,
+            ba_out,
+        ),
+    ]
+
+
 def param_mappings(arch: ModelArch) -> list[ParamMapping]:
     """Every Megatron parameter of a model built from `arch`, mapped to HF names (Qwen3 family,
-    Qwen3-Next)."""
-    if arch.architecture not in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"):
+    Qwen3-Next, Qwen3.5 text)."""
+    if arch.architecture not in MAPPED_ARCHITECTURES:
         raise ValueError(f"no weight mapping for architecture {arch.architecture!r}")
     qkv_in, qkv_out = _qkv_fns(arch)
 
@@ -120,11 +181,10 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
         maps.append(same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"))
         if arch.kinds[i] == "linear_attention":
             sa, la = f"{m}.self_attention", f"{h}.linear_attn"
+            maps += _gdn_projection_mappings(arch, sa, la)
             maps += [
                 same(f"{sa}.{p}", f"{la}.{p}")
                 for p in (
-                    "in_proj_qkvz.weight",
-                    "in_proj_ba.weight",
                     "dt_bias",
                     "A_log",
                     "norm.weight",

@@ -21,6 +21,7 @@ def install_plugin() -> None:
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.moe import register_moe
+    from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.sampler import install_sampler
 
     enable_packed_weight_cache()
@@ -28,6 +29,7 @@ def install_plugin() -> None:
     register_moe()
     register_gdn()
     register_attention()
+    register_qwen3_5()  # IsoExec's own text-only Qwen3_5ForCausalLM (stock one needs torchvision)
     install_sampler()
     _INSTALLED = True
 

@@ -1,8 +1,11 @@
 """The engine's live weights under canonical (HF) names, for the weight fingerprint.
 
-vLLM fuses some checkpoint tensors (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`); this
-splits them back, so the fingerprint of what the engine *holds* can be compared with the
-trainer's export. TP=1 only: a sharded engine must gather first (refused here).
+vLLM fuses some checkpoint tensors (q/k/v into `qkv_proj`, gate/up into `gate_up_proj`, and for
+Qwen3.5 the split GDN projections in_proj_qkv/z into `in_proj_qkvz`, in_proj_b/a into
+`in_proj_ba`); this splits them back, so the fingerprint of what the engine *holds* can be
+compared with the trainer's export. Which GDN layout a layer holds is read from the live layer
+(`gqa_interleaved_layout`): Qwen3-Next's interleaved fused tensors are checkpoint tensors as
+they are. TP=1 only: a sharded engine must gather first (refused here).
 """
 
 from __future__ import annotations
@@ -11,6 +14,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+# model_type values whose full-attention q_proj carries the output gate.
+GATED_Q_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
 
 
 class UnsupportedWeightLayoutError(RuntimeError):
@@ -23,9 +29,12 @@ def hf_named_weights(
     heads = int(hf_config["num_attention_heads"])
     kv_heads = int(hf_config["num_key_value_heads"])
     head_dim = int(hf_config.get("head_dim") or hf_config["hidden_size"] // heads)
-    # Qwen3-Next's q_proj holds [q_h | gate_h] per head: twice the query width.
-    gated = hf_config.get("model_type") == "qwen3_next" and hf_config.get("attn_output_gate", True)
+    # Qwen3-Next's and Qwen3.5's q_proj hold [q_h | gate_h] per head: twice the query width.
+    gated = hf_config.get("model_type") in GATED_Q_MODEL_TYPES and hf_config.get(
+        "attn_output_gate", True
+    )
     q_size, kv_size = heads * head_dim * (2 if gated else 1), kv_heads * head_dim
+    flat_gdn = _flat_gdn_layers(model)
     for name, param in model.named_parameters():
         t = param.detach()
         if getattr(param, "tp_size", 1) not in (1, None):
@@ -41,6 +50,8 @@ def hf_named_weights(
             gate, up = t.chunk(2, dim=0)
             yield base + "gate_proj.weight", gate
             yield base + "up_proj.weight", up
+        elif (parts := _split_gdn_projection(name, t, flat_gdn)) is not None:
+            yield from parts
         elif name.endswith("w13_weight"):
             base = _experts_base(name, "w13_weight")
             for e, w in enumerate(t):
@@ -53,6 +64,33 @@ def hf_named_weights(
                 yield f"{base}{e}.down_proj.weight", w
         else:
             yield name, t
+
+
+def _flat_gdn_layers(model: torch.nn.Module) -> dict[str, list[int]]:
+    """GDN layers holding the non-interleaved (Qwen3.5) fused projections: module path ->
+    [rows of in_proj_qkv, rows of in_proj_z] of its `in_proj_qkvz` (`[qkv; z]`)."""
+    out = {}
+    for path, m in model.named_modules():
+        if getattr(m, "gqa_interleaved_layout", None) is False:
+            out[path] = [2 * int(m.key_dim) + int(m.value_dim), int(m.value_dim)]
+    return out
+
+
+def _split_gdn_projection(
+    name: str, t: torch.Tensor, flat_gdn: dict[str, list[int]]
+) -> list[tuple[str, torch.Tensor]] | None:
+    """A flat-layout layer's fused `in_proj_qkvz` / `in_proj_ba` as HF's split tensors (row
+    views); None for any other parameter."""
+    for fused, parts in (
+        ("in_proj_qkvz", ("in_proj_qkv", "in_proj_z")),
+        ("in_proj_ba", ("in_proj_b", "in_proj_a")),
+    ):
+        layer = name.removesuffix(f".{fused}.weight")
+        if layer == name or layer not in flat_gdn:
+            continue
+        sizes = flat_gdn[layer] if fused == "in_proj_qkvz" else [t.shape[0] // 2] * 2
+        return [(f"{layer}.{p}.weight", x) for p, x in zip(parts, t.split(sizes), strict=True)]
+    return None
 
 
 def _experts_base(name: str, suffix: str) -> str:

@@ -1,0 +1,248 @@
+"""Qwen3.5 text (`Qwen3_5ForCausalLM`) for vLLM under IsoExec: a text-only model class.
+
+Why IsoExec has its own class: stock vLLM's `models/qwen3_5.py` imports the Qwen3-VL model
+and through it transformers' image processors, which need torchvision, so the text model
+cannot even be imported on an engine without it. The maths of Qwen3.5 text is Qwen3-Next's
+hybrid (GatedDeltaNet layers, gated-q full attention with partial RoPE, zero-centred norms)
+with a dense SwiGLU MLP in every layer and the GDN input projections stored split
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). So this composition reuses vLLM's
+Qwen3-Next building blocks, whose numerics IsoExec already makes canonical:
+
+- `Qwen3NextDecoderLayer.forward` (pre-norm, fused residual add);
+- `QwenGatedDeltaNetAttention` with `gqa_interleaved_layout=False`: its fused `in_proj_qkvz`
+  holds `[in_proj_qkv; in_proj_z]` and `in_proj_ba` holds `[in_proj_b; in_proj_a]` (row
+  concatenation, loaded shard by shard), run by `isoexec.vllm.gdn`;
+- `IsoQwen3NextAttention` (gated output with the position-invariant sigmoid);
+- `Qwen2MoeMLP` as the dense MLP (gate_up_proj, SiluAndMul, down_proj).
+
+RoPE: HF's Qwen3.5 rotary embedding is M-RoPE over (T, H, W) positions; for text the three
+are equal, so it is exactly 1-D partial RoPE. vLLM's own config hook for this architecture
+(`Qwen3_5ForCausalLMConfig`) drops the M-RoPE fields, and the runner passes 1-D positions.
+
+Registered through `ModelRegistry.register_model`, from the plugin, only when `ISOEXEC=1`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from isoexec.vllm.gdn import IsoQwen3NextAttention
+from isoexec.vllm.layers import UnsupportedSiteError
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.layernorm import GemmaRMSNorm
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
+    QwenGatedDeltaNetAttention,
+)
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    ParallelLMHead,
+    VocabParallelEmbedding,
+)
+from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
+from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
+from vllm.model_executor.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
+from vllm.model_executor.models.utils import (
+    AutoWeightsLoader,
+    WeightsMapper,
+    extract_layer_index,
+    maybe_prefix,
+)
+
+ARCHITECTURE = "Qwen3_5ForCausalLM"
+
+# HF checkpoint name -> (vLLM fused parameter, shard). `in_proj_qkv` fills shards 0..2 of the
+# non-interleaved `in_proj_qkvz` ([q | k | v | z] output sizes) in one contiguous span.
+HF_TO_VLLM = WeightsMapper(
+    orig_to_new_stacked={
+        ".q_proj": (".qkv_proj", "q"),
+        ".k_proj": (".qkv_proj", "k"),
+        ".v_proj": (".qkv_proj", "v"),
+        ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
+        ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
+        ".in_proj_z": (".in_proj_qkvz", 3),
+        ".in_proj_b": (".in_proj_ba", 0),
+        ".in_proj_a": (".in_proj_ba", 1),
+    },
+    # Multi-token-prediction weights belong to a draft model, as in stock vLLM.
+    orig_to_new_prefix={"mtp.": None},
+)
+
+
+def _refuse_unsupported(config: Any, vllm_config: VllmConfig) -> None:
+    """Refuse what this composition (or the canonical ops) does not express, at build time."""
+    problems = []
+    if getattr(config, "attention_bias", False):
+        problems.append("attention_bias=True")
+    if getattr(config, "layer_scale", False):
+        problems.append("layer_scale=True")
+    if not getattr(config, "attn_output_gate", True):
+        problems.append("attn_output_gate=False")
+    if getattr(config, "num_experts", 0):
+        problems.append("MoE MLP (Qwen3.5 text is dense; Qwen3.5-MoE is another architecture)")
+    if vllm_config.parallel_config.pipeline_parallel_size != 1:
+        problems.append("pipeline parallelism")
+    if problems:
+        raise UnsupportedSiteError(f"{ARCHITECTURE}: not supported: " + ", ".join(problems))
+
+
+class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
+    """One Qwen3.5 text layer: GDN (split-projection layout) or gated attention, dense MLP.
+
+    Only the construction differs from Qwen3-Next's layer (which decides MoE from
+    `num_experts` and builds the interleaved GDN layout); `forward` is inherited.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, layer_type: str, prefix: str = "") -> None:
+        nn.Module.__init__(self)
+        config = vllm_config.model_config.hf_text_config
+        model_config = vllm_config.model_config
+        quant_config = vllm_config.quant_config
+        self.layer_type = layer_type
+        self.layer_idx = extract_layer_index(prefix)
+        self.use_attn_reduce_scatter_for_moe = False  # no MoE, no sequence parallelism
+        self.layer_scale = False
+        if layer_type == "linear_attention":
+            # Instantiated through vLLM's name: the OOT registration makes it IsoExec's class.
+            self.linear_attn = QwenGatedDeltaNetAttention(
+                config,
+                vllm_config=vllm_config,
+                prefix=f"{prefix}.linear_attn",
+                gqa_interleaved_layout=False,
+            )
+        elif layer_type == "full_attention":
+            self.self_attn = IsoQwen3NextAttention(
+                config,
+                model_config=model_config,
+                cache_config=vllm_config.cache_config,
+                quant_config=quant_config,
+                prefix=f"{prefix}.self_attn",
+            )
+        else:
+            raise UnsupportedSiteError(f"{ARCHITECTURE}: layer type {layer_type!r}")
+        self.mlp = Qwen2MoeMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            hidden_act=config.hidden_act,
+            quant_config=quant_config,
+            prefix=f"{prefix}.mlp",
+        )
+        self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+
+class IsoQwen3_5Model(nn.Module):
+    """Embedding, the decoder layers and the final (zero-centred) norm; eager, one PP rank."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            IsoQwen3_5DecoderLayer(
+                vllm_config, layer_type=config.layer_types[i], prefix=f"{prefix}.layers.{i}"
+            )
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if positions.ndim != 1:
+            raise UnsupportedSiteError(f"{ARCHITECTURE}: expects 1-D text positions")
+        hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(positions=positions, hidden_states=hidden, residual=residual)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights)
+
+
+class IsoQwen3_5ForCausalLM(nn.Module, HasInnerState, IsHybrid):
+    """IsoExec's `Qwen3_5ForCausalLM` (text only); see the module docstring."""
+
+    packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
+        "qkv_proj": ["q_proj", "k_proj", "v_proj"],
+        "gate_up_proj": ["gate_proj", "up_proj"],
+        "in_proj_qkvz": ["in_proj_qkv", "in_proj_z"],
+        "in_proj_ba": ["in_proj_b", "in_proj_a"],
+    }
+    hf_to_vllm_mapper = HF_TO_VLLM
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        _refuse_unsupported(config, vllm_config)
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model_config = vllm_config.model_config
+        self.model = IsoQwen3_5Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size,
+            config.hidden_size,
+            quant_config=vllm_config.quant_config,
+            prefix=maybe_prefix(prefix, "lm_head"),
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: Any = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: object,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+
+    # The GDN state cache is Qwen3-Next's: same config fields, same shapes and dtypes.
+    @classmethod
+    def get_mamba_state_dtype_from_config(
+        cls, vllm_config: VllmConfig
+    ) -> tuple[torch.dtype, torch.dtype]:
+        return Qwen3NextForCausalLM.get_mamba_state_dtype_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig) -> Any:
+        return Qwen3NextForCausalLM.get_mamba_state_shape_from_config(vllm_config)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls) -> Any:
+        return Qwen3NextForCausalLM.get_mamba_state_copy_func()
+
+
+def register_qwen3_5() -> None:
+    """Serve `Qwen3_5ForCausalLM` with `IsoQwen3_5ForCausalLM` (vLLM's model extension point).
+
+    Called from `install_plugin`, i.e. only when `ISOEXEC=1`; with it off vLLM keeps its own
+    (lazily imported) registration.
+    """
+    from vllm import ModelRegistry
+
+    ModelRegistry.register_model(ARCHITECTURE, IsoQwen3_5ForCausalLM)
