@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import socket
+import subprocess
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -90,3 +94,45 @@ def engine_pool() -> Iterator[Callable[..., Any]]:
     finally:
         for eng in engines.values():
             eng.close()
+
+
+TP_WORKER = Path(__file__).parent / "tests" / "_support" / "tp_worker.py"
+
+
+@pytest.fixture(scope="session")
+def run_tp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[dict[str, Any]]]:
+    """Run trainer jobs on a real `torchrun` gloo world (see tests/_support/tp_worker.py).
+
+    `run(jobs, seqs, nproc=2)` returns rank 0's result per job. torchrun and its ranks run in
+    their own session, killed as a group whatever happens, so no rank outlives the call.
+    """
+
+    def run(jobs: list[dict[str, Any]], seqs: list[list[int]], nproc: int = 2) -> list[Any]:
+        import torch
+
+        tmp = tmp_path_factory.mktemp("torchrun")
+        job_file, out_file = tmp / "jobs.json", tmp / "results.pt"
+        job_file.write_text(json.dumps({"jobs": jobs, "seqs": seqs}))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        cmd = [
+            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
+            "--master-addr=127.0.0.1", f"--master-port={port}",
+            str(TP_WORKER), str(job_file), str(out_file),
+        ]  # fmt: skip
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ISOEXEC": "0"}
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            log, _ = proc.communicate(timeout=900)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        assert proc.returncode == 0, log.decode(errors="replace")[-6000:]
+        return list(torch.load(out_file))
+
+    return run

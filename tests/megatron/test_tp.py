@@ -1,7 +1,7 @@
 """TP=2 on CPU: a real 2-process gloo world (`torchrun --nproc-per-node 2`) builds, loads,
 scores and trains Qwen3 dense and MoE, and its logprobs are bitwise those of TP=1.
 
-The claim holds in the TP-invariant mode (`build_model(tp_invariant=True)`): column-parallel
+The claim holds in the TP-invariant mode (`IsoExecOptions(tp_invariant=True)`): column-parallel
 sites are `ops.linear` on each rank's rows (column-invariant), row-parallel sites the
 `linear_tp` leaves (fixed K leaves, exact gather, fixed tree), the output layer gathers the
 vocab exactly. Negative control: stock Megatron at TP=2 vs TP=1 differs (its row-parallel
@@ -10,56 +10,18 @@ all-reduce sums per-rank rounded partials).
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-WORKER = Path(__file__).with_name("_tp_worker.py")
 SEQS = [[3, 17, 250, 9, 44, 101, 7], [5, 5, 480, 2], [11, 300, 77, 61, 499, 23, 8, 90, 151, 4, 0]]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_torchrun(jobs: list[dict[str, Any]], tmp: Path, nproc: int = 2) -> list[dict[str, Any]]:
-    """Run the jobs on `nproc` gloo ranks; the whole process group is killed on any exit."""
-    job_file, out_file = tmp / "jobs.json", tmp / "results.pt"
-    job_file.write_text(json.dumps({"jobs": jobs, "seqs": SEQS}))
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={_free_port()}",
-        str(WORKER), str(job_file), str(out_file),
-    ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "ISOEXEC": "0"}
-    proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
-        log, _ = proc.communicate(timeout=600)
-    finally:
-        try:  # torchrun's ranks live in its session: none may outlive the test
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    assert proc.returncode == 0, log.decode(errors="replace")[-6000:]
-    return torch.load(out_file)
 
 
 @pytest.fixture(scope="module")
 def tp_results(
-    model_factory: Callable[[str, str], str], tmp_path_factory: pytest.TempPathFactory
+    model_factory: Callable[[str, str], str], run_tp_jobs: Callable[..., list[dict[str, Any]]]
 ) -> dict[str, dict[str, Any]]:
     dense32, dense16 = (
         model_factory("tiny-dense", "float32"),
@@ -71,7 +33,7 @@ def tp_results(
                               ("moe32", moe32, "float32")):  # fmt: skip
         for tp in (1, 2):
             named[f"{key}-iso-tp{tp}"] = dict(
-                model=model, dtype=dtype, tp=tp, isoexec=True, tp_invariant=True,
+                model=model, dtype=dtype, tp=tp, isoexec=True, options={"tp_invariant": True},
                 round_trip=tp == 2, train=tp == 2 and key != "dense16", contract=key == "dense32",
             )  # fmt: skip
             named[f"{key}-native-tp{tp}"] = dict(model=model, dtype=dtype, tp=tp, isoexec=False)
@@ -81,7 +43,7 @@ def tp_results(
     named["dense32-iso-default-tp2"] = dict(
         model=dense32, dtype="float32", tp=2, isoexec=True, expect_error=True
     )
-    results = run_torchrun(list(named.values()), tmp_path_factory.mktemp("tp"))
+    results = run_tp_jobs(list(named.values()), SEQS)
     return dict(zip(named, results, strict=True))
 
 
@@ -147,4 +109,4 @@ def test_tp_invariant_is_its_own_contract(tp_results: dict) -> None:
 
 def test_tp2_without_tp_invariant_is_refused(tp_results: dict) -> None:
     err = tp_results["dense32-iso-default-tp2"]["error"]
-    assert "tp_invariant=True" in err and "tp=2" in err
+    assert "IsoExecOptions(tp_invariant=True)" in err and "tp=2" in err

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from isoexec.contract.options import IsoExecOptions
 from isoexec.megatron.hf_config import (
     SUPPORTED_ARCHITECTURES,
     HFConfigSource,
@@ -467,7 +468,7 @@ def build_model(
     isoexec: bool = False,
     tp: int = 1,
     dtype: torch.dtype = torch.float32,
-    tp_invariant: bool = False,
+    options: IsoExecOptions | None = None,
 ) -> Any:
     """A Megatron-core `GPTModel` with the HF model's architecture (weights: see `weights`).
 
@@ -476,6 +477,7 @@ def build_model(
     reads every op site back: a site left native is an error (`SiteNotInstalledError`), never
     a silent fallback.
 
+    `options` (`IsoExecOptions`, the object the engine takes too) chooses canonical variants:
     `tp_invariant=True` runs the row-parallel sites (o_proj, down_proj) as the TP-invariant
     `linear_tp` (K in `DEFAULT_TP_LEAVES` fixed leaves, fixed tree): logprobs are then bitwise
     the same at TP=1, 2, 4, 8 — but they are a different contract from the default
@@ -495,12 +497,15 @@ def build_model(
         raise ValueError(
             f"tp={tp} but parallel_state has TP={ps.get_tensor_model_parallel_world_size()}"
         )
-    if tp_invariant and not isoexec:
-        raise ValueError("tp_invariant=True is a canonical-op mode: it needs isoexec=True")
+    options = options or IsoExecOptions()
+    tp_invariant = options.tp_invariant
+    if options != IsoExecOptions() and not isoexec:
+        raise ValueError("IsoExec options choose canonical variants: they need isoexec=True")
     if isoexec and tp != 1 and not tp_invariant:
         raise ValueError(
             f"build_model(isoexec=True, tp={tp}): a K-split row-parallel linear is not "
-            "TP-invariant; pass tp_invariant=True (bitwise equal to tp=1 with tp_invariant=True)"
+            "TP-invariant; pass options=IsoExecOptions(tp_invariant=True) (bitwise equal to "
+            "tp=1 with the same options)"
         )
     if isoexec and tp != 1 and arch.gdn is not None:
         raise NotImplementedError(

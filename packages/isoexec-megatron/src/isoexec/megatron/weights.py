@@ -25,7 +25,8 @@ that its checkpoint splits the GDN projections: `in_proj_qkvz` = cat(`in_proj_qk
 `in_proj_z`) and `in_proj_ba` = cat(`in_proj_b`, `in_proj_a`) (rows; the "flat" layout, what
 vLLM's non-interleaved GDN layer holds).
 
-Only TP=1 is implemented; with TP>1 both directions refuse (they need sharding and a gather).
+At TP>1 the mappings still describe the full layout; `tp_layout` slices it per rank on load
+and gathers it back on export (a collective: every TP rank must export together).
 """
 
 from __future__ import annotations

@@ -20,9 +20,11 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
+
+from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
 
 _LIVE_GROUPS: set[int] = set()
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
@@ -46,6 +48,8 @@ class EngineConfig:
     # Logprobs of the distribution actually sampled from (after temperature): what PPO needs.
     logprobs_mode: str = "processed_logprobs"
     extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
+    # Which canonical variants run (isoexec only); reaches the workers as additional_config.
+    options: IsoExecOptions = field(default_factory=IsoExecOptions)
 
 
 @dataclass(frozen=True)
@@ -213,6 +217,10 @@ class _Handler:
             "worker_extension_cls": WORKER_EXTENSION,
             "kv_cache_memory_bytes": config.kv_cache_bytes,
         }
+        if config.isoexec:
+            kwargs["additional_config"] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
+        elif config.options != IsoExecOptions():
+            raise ValueError("IsoExec options without isoexec=True would be silently unused")
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
             kwargs["enable_chunked_prefill"] = True

@@ -15,6 +15,7 @@ import torch
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -117,6 +118,27 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
         return ops.linear(x, layer.weight, bias)
 
 
+class CanonicalTPInvariantLinearMethod(CanonicalLinearMethod):
+    """Row-parallel linear as the TP-invariant `linear_tp` (options.tp_invariant): K in fixed
+    leaves, fixed tree, one rounding — the bits a Megatron trainer at any TP | leaves gets."""
+
+    isoexec_impl: ImplInfo = ops.get_impl("linear_tp")
+
+    def apply(
+        self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        return ops.linear_tp_invariant(x, layer.weight, bias)
+
+
+def engine_options() -> IsoExecOptions:
+    """The IsoExec options of the vLLM engine being built (its `additional_config`)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    extra = getattr(cfg, "additional_config", None) or {}
+    return IsoExecOptions.from_mapping(extra.get(VLLM_ADDITIONAL_CONFIG_KEY))
+
+
 class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
     """Embedding lookup stays exact; the logits GEMM (`apply`) is the canonical linear."""
 
@@ -141,7 +163,10 @@ def _with_canonical_linear(base: type) -> type:
                 f"{base.__name__} {getattr(self, 'prefix', '')!r}: quantization "
                 f"{type(self.quant_method).__name__} has no canonical implementation"
             )
-        self.quant_method = CanonicalLinearMethod()
+        tp_invariant = engine_options().tp_invariant and isinstance(self, RowParallelLinear)
+        self.quant_method = (
+            CanonicalTPInvariantLinearMethod() if tp_invariant else CanonicalLinearMethod()
+        )
 
     return type(f"Iso{base.__name__}", (base,), {"__init__": __init__})
 

@@ -62,7 +62,9 @@ def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
     update bumps `_version` and a new `.data` changes `data_ptr`: both repack; a write through
     `.data` is invisible, hence the explicit enable/clear protocol.
     """
-    if not _PACK_CACHE_ENABLED:
+    if not _PACK_CACHE_ENABLED or not isinstance(weight, torch.nn.Parameter):
+        # Only parameters live across calls; a temporary (a K-leaf slice, an upcast copy) is
+        # packed fresh — and under inference mode it has no `_version` to stamp.
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
     stamp = (weight._version, weight.data_ptr(), block_rows)
     hit = _PACK_CACHE.get(id(weight))

@@ -1,4 +1,4 @@
-"""One rank of a `torchrun --nproc-per-node N` CPU (gloo) trainer run, for test_tp.py.
+"""One rank of a `torchrun --nproc-per-node N` CPU (gloo) trainer run (conftest: run_tp_jobs).
 
 For every job in the JSON job file: build the model at the job's TP inside
 `megatron_parallel(tp)`, load the HF checkpoint, score the sequences, optionally export the
@@ -20,6 +20,7 @@ warnings.filterwarnings("ignore")
 
 
 def run_job(job: dict, seqs: list[list[int]]) -> dict:
+    from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron.model_builder import build_model
     from isoexec.megatron.parallel import megatron_parallel
     from isoexec.megatron.scoring import score, train_step
@@ -33,10 +34,11 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             isoexec=job["isoexec"],
             tp=job["tp"],
             dtype=dtype,
-            tp_invariant=job.get("tp_invariant", False),
+            options=IsoExecOptions.from_mapping(job.get("options")),
         )
         load_hf_weights(model, job["model"])
-        out["logprobs"] = score(model, seqs)
+        seqs = job.get("seqs", seqs)
+        out["logprobs"] = score(model, seqs, job.get("temperature", 1.0))
         if job.get("round_trip"):
             ref = read_hf_state_dict(job["model"])
             exported = dict(export_hf_weights(model))

@@ -1,0 +1,108 @@
+"""Trainer at TP=2 == engine at TP=1, bit for bit: the feature equal-TP systems cannot offer.
+
+A real 2-rank gloo trainer (`torchrun`, Megatron TP=2) and a real vLLM engine (TP=1) both run
+with `IsoExecOptions(tp_invariant=True)`: row-parallel sites use the K-leaves `linear_tp`, every
+other site is TP-invariant as it is, so both sides record the same contract ("invariant" at
+every site) and the handshake says MATCH although the TP degrees differ. The trainer scores
+exactly what the engine sampled. Negative control: the engine without the option records the
+plain `linear` at o_proj/down_proj, and the handshake refuses the TP=2 trainer there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from isoexec.contract.contract import Contract
+from isoexec.contract.options import IsoExecOptions
+from isoexec.contract.pair import handshake, make_prompts
+from isoexec.vllm.engine_process import SamplingSpec
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+CHUNK = 64
+TEMPS = [1.0, 0.7, 1.0, 0.7]
+DTYPES = ("float32", "bfloat16")
+TP_INVARIANT = IsoExecOptions(tp_invariant=True)
+
+
+def _engine(
+    engine_pool: Callable[..., Any], model: str, dtype: str, options: IsoExecOptions
+) -> Any:
+    return engine_pool(
+        model=model, dtype=dtype, isoexec=True, max_num_batched_tokens=CHUNK, options=options
+    )
+
+
+@pytest.fixture(scope="module")
+def tp_run(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Sample on each dtype's engine, then score everything in one TP=2 torchrun launch."""
+    sampled: dict[str, list[Any]] = {}
+    jobs: list[dict[str, Any]] = []
+    for dtype in DTYPES:
+        model = model_factory("tiny-dense", dtype)
+        engine = _engine(engine_pool, model, dtype, TP_INVARIANT)
+        engine.call("reset_prefix_cache")
+        prompts = make_prompts(len(TEMPS), 512, seed=11)
+        specs = [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
+        sampled[dtype] = engine.generate(prompts, specs)
+        for temp in sorted(set(TEMPS)):
+            group = [c for c, t in zip(sampled[dtype], TEMPS, strict=True) if t == temp]
+            jobs.append(
+                dict(
+                    model=model, dtype=dtype, tp=2, isoexec=True, options=TP_INVARIANT.to_dict(),
+                    temperature=temp, seqs=[c.prompt_token_ids + c.token_ids for c in group],
+                    contract=True,
+                )
+            )  # fmt: skip
+    results = run_tp_jobs(jobs, [])
+    return {"sampled": sampled, "jobs": jobs, "results": results}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tp2_trainer_equals_tp1_engine_bitwise(
+    dtype: str,
+    tp_run: dict[str, Any],
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+) -> None:
+    engine = _engine(engine_pool, model_factory("tiny-dense", dtype), dtype, TP_INVARIANT)
+    mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
+            if j["dtype"] == dtype]  # fmt: skip
+    contract = Contract.from_bytes(mine[0][1]["contract"])
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    trainer_verdict, engine_verdict = handshake(contract, engine, run_id=f"tp2-{dtype}")
+    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
+
+    train, eng = [], []
+    for job, res in mine:
+        group = [c for c, t in zip(tp_run["sampled"][dtype], TEMPS, strict=True)
+                 if t == job["temperature"]]  # fmt: skip
+        for c, lp in zip(group, res["logprobs"], strict=True):
+            train.append(lp[-len(c.token_ids) :].float())
+            eng.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    t, e = torch.cat(train), torch.cat(eng)
+    assert t.numel() == 6 * len(TEMPS)
+    assert torch.equal(t, e), (t - e).abs().max()
+
+
+def test_engine_without_the_option_refuses_the_tp2_trainer(
+    tp_run: dict[str, Any],
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+) -> None:
+    engine = _engine(
+        engine_pool, model_factory("tiny-dense", "float32"), "float32", IsoExecOptions()
+    )
+    contract = Contract.from_bytes(tp_run["results"][0]["contract"])
+    trainer_verdict, engine_verdict = handshake(contract, engine, run_id="tp2-plain-engine")
+    assert engine_verdict["outcome"] == "MISMATCH" and not trainer_verdict.matched
+    first = trainer_verdict.diff[0]
+    assert "o_proj" in first or "down_proj" in first, trainer_verdict.diff

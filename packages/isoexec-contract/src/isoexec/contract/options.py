@@ -1,0 +1,47 @@
+"""IsoExec's options: the one object that selects *which* canonical implementation runs.
+
+`ISOEXEC=1` switches IsoExec on; these options choose among canonical variants, and both
+sides take the same object (the trainer as `build_model(..., options=)`, the engine through
+vLLM's `additional_config["isoexec"]`). Whatever they choose ends up in the contract, so two
+sides with different options are refused at the handshake, never silently mixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+# The key under vLLM's `additional_config` (its extension point for plugin settings).
+VLLM_ADDITIONAL_CONFIG_KEY = "isoexec"
+
+
+@dataclass(frozen=True)
+class IsoExecOptions:
+    """`tp_invariant`: row-parallel sites (o_proj, down_proj, out_proj) run the K-leaves
+    `linear_tp`, so logprobs are bitwise the same at every TP degree dividing its leaves
+    (a trainer at TP=2 can serve an engine at TP=1); off, they run the plain `linear`."""
+
+    tp_invariant: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> IsoExecOptions:
+        """Parse; unknown keys and non-bool values are refused, never ignored."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise TypeError(f"IsoExec options must be a mapping, got {type(raw).__name__}")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown IsoExec option(s) {unknown}; known: {sorted(known)}")
+        for key, value in raw.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"IsoExec option {key!r} must be a bool, got {value!r}")
+        return cls(**raw)
+
+
+__all__ = ["VLLM_ADDITIONAL_CONFIG_KEY", "IsoExecOptions"]
