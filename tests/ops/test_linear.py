@@ -79,6 +79,23 @@ def test_linear_tp_invariant_across_tp(dtype):
     assert_row_invariant(lambda t: linear_tp_invariant(t, w), _gen(dtype), sizes=(1, 7, 64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 7, 33, 300])
+def test_linear_column_split_invariant(dtype, m):
+    """A column-parallel rank computes its output columns from its weight rows alone: every
+    column's bits equal the whole-weight GEMM's, for any split (the trainer's TP>1 claim)."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    w = torch.randn(4 * 96, K, generator=g).to(dtype)
+    full = linear(x, w)
+    for tp in (2, 4):
+        got = torch.cat([linear(x, ws) for ws in w.chunk(tp, 0)], dim=-1)
+        assert torch.equal(got, full), tp
+    # and for a permutation of the rows (the trainer's QKV runs on vLLM's row order)
+    perm = torch.randperm(w.shape[0], generator=g)
+    assert torch.equal(linear(x, w[perm]), full[:, perm])
+
+
 def test_linear_tp_negative_control_native_sum_differs():
     """Summing per-rank F.linear partials (what an all-reduce does) depends on TP."""
     g = torch.Generator().manual_seed(5)
