@@ -168,3 +168,92 @@ def test_backward_matches_float64():
     assert_grads_match_float64(
         lambda q, k, v: attention_varlen(q, k, v, cu, scale=SCALE, kv_tile=4), ref, (q, k, v)
     )
+
+
+# --- the fixed-shape GEMM kernel (v2): many key chunks and row blocks -----------------------
+
+
+@pytest.mark.parametrize(
+    "dtype,kv_tile,block_rows",
+    [(torch.float32, 128, 64), (torch.bfloat16, 128, 64), (torch.float32, 16, 32)],
+)
+def test_decode_equals_prefill_across_chunks_and_row_blocks(dtype, kv_tile, block_rows):
+    """Queries whose keys span several key chunks and whose rows span several row blocks:
+    decode of every sampled prefix (fewer keys, one row block) == the same row of the whole
+    prefill (more keys, many row blocks), with 1 and 2 threads."""
+    t = 300
+    q, k, v = _qkv(t, dtype, seed=11)
+    kw = {"scale": SCALE, "kv_tile": kv_tile, "block_rows": block_rows}
+    full = attention_varlen(q, k, v, torch.tensor([0, t]), **kw)
+    kc, vc, perm = _paged(k, v, block_size=16, num_blocks=-(-t // 16) + 2, seed=12)
+    ns = sorted({1, 2, 64, 65, 127, 128, 129, 256, 257, t} | {kv_tile, kv_tile + 1})
+    for nt in (1, 2):
+        with num_threads(nt):
+            for n in ns:
+                got = attention_paged(
+                    q[n - 1 : n], kc, vc, perm[None], torch.tensor([n]), torch.tensor([0, 1]), **kw
+                )
+                assert torch.equal(got[0], full[n - 1]), (nt, n)
+            # chunked prefill with splits that cut chunks and row blocks anywhere
+            for split in (37, kv_tile + 5, 200):
+                outs = [
+                    attention_paged(
+                        q[s:e],
+                        kc,
+                        vc,
+                        perm[None],
+                        torch.tensor([e]),
+                        torch.tensor([0, e - s]),
+                        **kw,
+                    )
+                    for s, e in ((0, split), (split, t))
+                ]
+                assert torch.equal(torch.cat(outs), full), (nt, split)
+
+
+def test_gemm_shapes_row_invariant():
+    """The property the kernel rests on, for the shapes it uses: a fixed-shape GEMM
+    ([R, D] x [D, kv_tile] and [R, kv_tile] x [kv_tile, Dv]) gives a row the same bits at every
+    position in the block and whatever the other rows hold, with 1 and 2 threads."""
+    from isoexec.contract.ops.attention import _onednn_available
+
+    if not _onednn_available():
+        pytest.skip("oneDNN not available")
+    lp = torch.ops.mkldnn._linear_pointwise
+    g = torch.Generator().manual_seed(13)
+    for r, kk, n in ((64, 64, 128), (64, 128, 128), (64, 128, 64), (32, 32, 16), (64, 128, 256)):
+        w = torch.randn(n, kk, generator=g)
+        row = torch.randn(1, kk, generator=g)
+        ref = None
+        for nt in (1, 2):
+            with num_threads(nt):
+                for pos in (0, 1, r // 2, r - 1):
+                    x = torch.randn(r, kk, generator=g)
+                    if pos == r // 2:
+                        x[pos + 1 :] = 0  # a zero-padded last block
+                    x[pos] = row[0]
+                    got = lp(x, w, None, "none", [None], "")[pos]
+                    ref = got if ref is None else ref
+                    assert torch.equal(got, ref), (r, kk, n, nt, pos)
+
+
+def test_negative_control_one_gemm_over_all_keys_depends_on_key_count():
+    """Why p·v is cut into fixed chunks: one GEMM over all keys (K = number of keys, zeros
+    past the query) changes a row's bits when K changes (oneDNN blocks K by size)."""
+    from isoexec.contract.ops.attention import _onednn_available
+
+    if not _onednn_available():
+        pytest.skip("oneDNN not available")
+    lp = torch.ops.mkldnn._linear_pointwise
+    g = torch.Generator().manual_seed(14)
+    p = torch.rand(64, 1000, generator=g)
+    vt = torch.randn(64, 4096, generator=g)
+    short = lp(p, vt[:, :1000].contiguous(), None, "none", [None], "")
+    long_ = lp(torch.nn.functional.pad(p, (0, 3096)), vt, None, "none", [None], "")
+    assert not torch.equal(short, long_)
+
+
+def test_accuracy_vs_float64_long():
+    q, k, v = _qkv(300, seed=15)
+    out = attention_varlen(q, k, v, torch.tensor([0, 300]), scale=SCALE).double()
+    assert (out - _ref64(q, k, v)).abs().max() < 1e-5

@@ -78,10 +78,17 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
     "attention": (
         "isoexec.attention.kvtile",
-        1,
-        {"kv_tile": attention.DEFAULT_KV_TILE, "softmax": "fp32-online", "cache": "bs-hkv-d"},
+        2,
+        {
+            "kv_tile": attention.DEFAULT_KV_TILE,
+            "block_rows": attention.DEFAULT_BLOCK_ROWS,
+            "gemm": "fixed-shape-onednn-fp32",
+            "softmax": "fp32-exact-rowmax",
+            "cache": "bs-hkv-d",
+        },
         (
             attention._attend,
+            attention._attend_fwd,
             attention.attention_varlen,
             attention.attention_paged,
             attention.gather_paged_kv,

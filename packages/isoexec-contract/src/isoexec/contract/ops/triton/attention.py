@@ -19,7 +19,9 @@ import triton.language as tl
 from .. import attention as _torch_attn
 from ._runtime import check_device, pow2, store_rounded, with_torch_backward
 
-DEFAULT_KV_TILE = _torch_attn.DEFAULT_KV_TILE
+# The Triton kernel keeps its own 16-key tile (a separate backend with its own bits; the torch
+# kernel moved to 128-key fixed-shape GEMM chunks in attention v2).
+DEFAULT_KV_TILE = 16
 
 
 @triton.jit
