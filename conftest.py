@@ -103,11 +103,17 @@ TP_WORKER = Path(__file__).parent / "tests" / "_support" / "tp_worker.py"
 def run_tp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[dict[str, Any]]]:
     """Run trainer jobs on a real `torchrun` gloo world (see tests/_support/tp_worker.py).
 
-    `run(jobs, seqs, nproc=2)` returns rank 0's result per job. torchrun and its ranks run in
+    `run(jobs, seqs, nproc=2, env=None)` returns rank 0's result per job (`env`: extra
+    environment for the ranks, e.g. TRITON_INTERPRET=1). torchrun and its ranks run in
     their own session, killed as a group whatever happens, so no rank outlives the call.
     """
 
-    def run(jobs: list[dict[str, Any]], seqs: list[list[int]], nproc: int = 2) -> list[Any]:
+    def run(
+        jobs: list[dict[str, Any]],
+        seqs: list[list[int]],
+        nproc: int = 2,
+        env: dict[str, str] | None = None,
+    ) -> list[Any]:
         import torch
 
         tmp = tmp_path_factory.mktemp("torchrun")
@@ -121,7 +127,7 @@ def run_tp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[
             "--master-addr=127.0.0.1", f"--master-port={port}",
             str(TP_WORKER), str(job_file), str(out_file),
         ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "ISOEXEC": "0"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "ISOEXEC": "0", **(env or {})}
         proc = subprocess.Popen(
             cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -18,6 +18,9 @@ def test_options_round_trip_and_refusals() -> None:
         IsoExecOptions.from_mapping({"tp_invariant": True, "fast": True})
     with pytest.raises(TypeError, match="must be a bool"):
         IsoExecOptions.from_mapping({"tp_invariant": "yes"})
+    with pytest.raises(ValueError, match="backend"):
+        IsoExecOptions.from_mapping({"backend": "cuda"})
+    assert IsoExecOptions.from_mapping({"backend": "triton"}).backend == "triton"
     with pytest.raises(TypeError, match="mapping"):
         IsoExecOptions.from_mapping(["tp_invariant"])  # type: ignore[arg-type]
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from isoexec.contract.backend import detect_backend
 from isoexec.contract.contract import (
     BackendIdentity,
     Contract,
@@ -123,7 +122,7 @@ def contract_for(
         model=model_identity(hf_config),
         dtypes=model_dtypes(hf_config, dtype),
         sites=sites,
-        backend=backend or detect_backend(),
+        backend=backend,  # None: detected at build, with Triton's version if a site runs it
         tp_size=tp_size,
         tp_invariant=tp_invariant_sites(sites),
         expected_sites=model_sites(hf_config),

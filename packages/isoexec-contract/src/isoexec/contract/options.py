@@ -20,9 +20,25 @@ VLLM_ADDITIONAL_CONFIG_KEY = "isoexec"
 class IsoExecOptions:
     """`tp_invariant`: row-parallel sites (o_proj, down_proj, out_proj) run the K-leaves
     `linear_tp`, so logprobs are bitwise the same at every TP degree dividing its leaves
-    (a trainer at TP=2 can serve an engine at TP=1); off, they run the plain `linear`."""
+    (a trainer at TP=2 can serve an engine at TP=1); off, they run the plain `linear`.
+
+    `backend`: whose kernels every site runs — "torch" (the CPU/any-device reference) or
+    "triton" (GPU kernels; on CPU only under TRITON_INTERPRET=1). Different bits, so a
+    different contract: both sides must choose the same.
+    """
 
     tp_invariant: bool = False
+    backend: str = "torch"
+
+    def __post_init__(self) -> None:
+        from isoexec.contract.ops import BACKENDS
+
+        if not isinstance(self.tp_invariant, bool):
+            raise TypeError(
+                f"IsoExec option 'tp_invariant' must be a bool, got {self.tp_invariant!r}"
+            )
+        if self.backend not in BACKENDS:
+            raise ValueError(f"IsoExec option 'backend' {self.backend!r}; known: {list(BACKENDS)}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -38,9 +54,6 @@ class IsoExecOptions:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"unknown IsoExec option(s) {unknown}; known: {sorted(known)}")
-        for key, value in raw.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"IsoExec option {key!r} must be a bool, got {value!r}")
         return cls(**raw)
 
 

@@ -34,7 +34,12 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
-from isoexec.megatron.canonical_modules import CanonicalSiteError, _require_tp1
+from isoexec.megatron.canonical_modules import (
+    CanonicalSiteError,
+    _require_tp1,
+    site_impl,
+    site_ops,
+)
 from isoexec.megatron.hf_config import GDN_LAYOUTS
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
@@ -73,15 +78,17 @@ class IsoGatedRMSNorm(torch.nn.Module):
     """GDN output norm slot: `ops.gated_rms_norm(x, z, w)` = norm(x)·w·silu(z), fp32, one
     rounding (vLLM's `RMSNormGated` under IsoExec). Plain gamma (not zero-centred)."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("gated_rms_norm")
+    isoexec_impl: ImplInfo
 
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.ops = site_ops(config)
+        self.isoexec_impl = site_impl(config, "gated_rms_norm")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+        return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 @dataclass
@@ -110,10 +117,7 @@ class IsoGatedDeltaNet(MegatronModule):
     decay differs from the engine's. It is marked `isoexec_keep_fp32`.
     """
 
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {
-        "gdn_conv": ops.get_impl("gdn_conv"),
-        "gdn_recurrence": ops.get_impl("gdn_recurrence"),
-    }
+    isoexec_impls: dict[str, ImplInfo]
 
     def __init__(
         self,
@@ -126,6 +130,11 @@ class IsoGatedDeltaNet(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         _require_tp1(type(self).__name__, config)
+        self.ops = site_ops(config)
+        self.isoexec_impls = {
+            "gdn_conv": site_impl(config, "gdn_conv"),
+            "gdn_recurrence": site_impl(config, "gdn_recurrence"),
+        }
         problems = []
         if qkvz_layout not in GDN_LAYOUTS:
             problems.append(f"projection layout {qkvz_layout!r}")
@@ -235,9 +244,9 @@ class IsoGatedDeltaNet(MegatronModule):
         for s, e in itertools.pairwise(starts):
             if e == s:
                 continue
-            y, _ = ops.gdn_conv(mixed_qkv[s:e], conv_w, None)
+            y, _ = self.ops.gdn_conv(mixed_qkv[s:e], conv_w, None)
             q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
-            o, _ = ops.gdn_recurrence(
+            o, _ = self.ops.gdn_recurrence(
                 q.reshape(e - s, hk, kd),
                 k.reshape(e - s, hk, kd),
                 v.reshape(e - s, hv, vd),

@@ -32,7 +32,8 @@ Qwen3-Next's GDN layer, gated norm and gated attention are in `canonical_gdn`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -75,6 +76,8 @@ class IsoTransformerConfig(TransformerConfig):
     # Row-parallel sites (o_proj, down_proj): None = `ops.linear` (TP=1 only); G = the
     # TP-invariant `linear_tp` with K in G fixed leaves, bitwise the same for every TP | G.
     isoexec_tp_leaves: int | None = None
+    # Which backend's kernels every site runs (`ops.BACKENDS`): "torch" or "triton".
+    isoexec_backend: str = "torch"
 
 
 def _require_tp1(what: str, config: TransformerConfig) -> None:
@@ -83,6 +86,24 @@ def _require_tp1(what: str, config: TransformerConfig) -> None:
             f"{what}: this canonical module is TP=1 only; "
             f"got TP={config.tensor_model_parallel_size}"
         )
+
+
+def site_backend(config: TransformerConfig) -> str:
+    """The backend this model's sites run (IsoTransformerConfig.isoexec_backend)."""
+    backend = getattr(config, "isoexec_backend", ops.BACKEND)
+    if backend not in ops.BACKENDS:
+        raise CanonicalSiteError(f"unknown backend {backend!r}; known: {list(ops.BACKENDS)}")
+    return str(backend)
+
+
+def site_ops(config: TransformerConfig) -> ModuleType:
+    """The module whose functions a site calls: `ops` itself, or the Triton twin."""
+    return ops.backend_ops(site_backend(config))
+
+
+def site_impl(config: TransformerConfig, op: str, **params: object) -> ImplInfo:
+    """What a site of this config records for `op` (backend included)."""
+    return ops.get_backend_impl(op, site_backend(config), **params)
 
 
 def _tp_size(module: torch.nn.Module) -> int:
@@ -100,7 +121,12 @@ class IsoColumnParallelLinear(ColumnParallelLinear):
     concatenation.
     """
 
-    isoexec_impl: ImplInfo = ops.get_impl("linear")
+    isoexec_impl: ImplInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.ops = site_ops(self.config)
+        self.isoexec_impl = site_impl(self.config, "linear")
 
     def _weight_for_gemm(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -122,7 +148,7 @@ class IsoColumnParallelLinear(ColumnParallelLinear):
         tp = _tp_size(self)
         if tp > 1:
             input_ = copy_to_tensor_model_parallel_region(input_, group=self.tp_group)
-        out = self._columns_back(ops.linear(input_, self._weight_for_gemm(w)))
+        out = self._columns_back(self.ops.linear(input_, self._weight_for_gemm(w)))
         if bias is not None:
             out = out + bias.to(out.dtype)  # ops.linear's bias rule: after the one rounding
         gather = self.gather_output if runtime_gather_output is None else runtime_gather_output
@@ -141,10 +167,12 @@ class IsoRowParallelLinear(RowParallelLinear):
     the same bits for TP=1, 2, 4, ... (any TP dividing G).
     """
 
-    isoexec_impl: ImplInfo = ops.get_impl("linear")
+    isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ops = site_ops(self.config)
+        self.isoexec_impl = site_impl(self.config, "linear")
         leaves = getattr(self.config, "isoexec_tp_leaves", None)
         self.tp_leaves: int | None = None if leaves is None else int(leaves)
         tp = _tp_size(self)
@@ -155,6 +183,8 @@ class IsoRowParallelLinear(RowParallelLinear):
                     "TP-invariant; build with tp_invariant=True (the `linear_tp` leaves)"
                 )
         else:
+            if site_backend(self.config) != ops.BACKEND:
+                raise CanonicalSiteError("tp_invariant with the Triton backend is not wired")
             if self.tp_leaves % tp or self.input_size_per_partition % (self.tp_leaves // tp):
                 raise CanonicalSiteError(
                     f"linear_tp leaves={self.tp_leaves} do not split TP={tp} x K-shard "
@@ -165,7 +195,7 @@ class IsoRowParallelLinear(RowParallelLinear):
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = self.bias if self.bias is not None and not self.skip_bias_add else None
         if self.tp_leaves is None:
-            out = ops.linear(input_, self.weight, bias)
+            out = self.ops.linear(input_, self.weight, bias)
         else:
             out = self._leaf_linear(input_, bias)
         return out, (self.bias if self.skip_bias_add else None)
@@ -268,7 +298,7 @@ class IsoRMSNorm(torch.nn.Module):
     as HF and vLLM hold it.
     """
 
-    isoexec_impl: ImplInfo = ops.get_impl("rms_norm")
+    isoexec_impl: ImplInfo
 
     def __init__(
         self,
@@ -288,9 +318,11 @@ class IsoRMSNorm(torch.nn.Module):
         self.zero_centered = bool(config.layernorm_zero_centered_gamma or zero_centered_gamma)
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        self.ops = site_ops(config)
+        self.isoexec_impl = site_impl(config, "rms_norm")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = ops.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered)
+        y = self.ops.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered)
         assert isinstance(y, torch.Tensor)
         return y
 
@@ -299,15 +331,17 @@ class IsoSiluMul(torch.nn.Module):
     """MLP activation slot (`MLPSubmodules.activation_func`): `ops.silu_mul` on fc1's
     [gate | up] output, fp32, one rounding (Megatron's own glu rounds silu first)."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("silu_mul")
+    isoexec_impl: ImplInfo
 
     def __init__(self, config: TransformerConfig, **_: Any) -> None:
         super().__init__()
         if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
             raise CanonicalSiteError("canonical activation is SwiGLU (gated silu) only")
+        self.ops = site_ops(config)
+        self.isoexec_impl = site_impl(config, "silu_mul")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.silu_mul(x)
+        return self.ops.silu_mul(x)
 
 
 # ---- attention -------------------------------------------------------------------------------
@@ -330,10 +364,7 @@ class IsoCoreAttention(MegatronModule):
     (freqs table + its own rounding) is not the canonical rope.
     """
 
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {
-        "attention": ops.get_impl("attention"),
-        "rope": ops.get_impl("rope"),
-    }
+    isoexec_impls: dict[str, ImplInfo]
 
     def __init__(
         self,
@@ -365,6 +396,11 @@ class IsoCoreAttention(MegatronModule):
         if problems:
             raise CanonicalSiteError("canonical attention does not support: " + ", ".join(problems))
         # Any TP: heads are independent, and q/k/v arrive with this rank's heads only.
+        self.ops = site_ops(config)
+        self.isoexec_impls = {
+            "attention": site_impl(config, "attention"),
+            "rope": site_impl(config, "rope"),
+        }
         self.head_dim = int(config.kv_channels)
         rotary_dim = getattr(config, "isoexec_rotary_dim", None)
         self.rotary_dim = self.head_dim if rotary_dim is None else int(rotary_dim)
@@ -415,10 +451,11 @@ class IsoCoreAttention(MegatronModule):
         """q [T, H, D], k/v [T, Hkv, D]: rope (as vLLM's IsoRotaryEmbedding), then attention."""
         pos = packed_positions(cu, q.shape[0]).to(q.device)
         rot = getattr(self, "rotary_dim", self.head_dim)
-        cos, sin = ops.rope_cos_sin(pos, rot, self.rope_theta)
-        q = ops.apply_rope(q, cos, sin, rot)
-        k = ops.apply_rope(k, cos, sin, rot)
-        return ops.attention_varlen(q, k, v, cu.to(q.device), scale=self.scale)
+        o = self.ops
+        cos, sin = o.rope_cos_sin(pos, rot, self.rope_theta)
+        q = o.apply_rope(q, cos, sin, rot)
+        k = o.apply_rope(k, cos, sin, rot)
+        return o.attention_varlen(q, k, v, cu.to(q.device), scale=self.scale)
 
 
 # ---- MoE -------------------------------------------------------------------------------------
@@ -429,7 +466,7 @@ class IsoTopKRouter(TopKRouter):
     `forward(x [T, H])` returns (weights fp32 [T, k], expert ids [T, k]) for `IsoMoELayer`.
     """
 
-    isoexec_impl: ImplInfo = ops.get_impl("moe_router")
+    isoexec_impl: ImplInfo
 
     def __init__(self, config: TransformerConfig, pg_collection: Any = None) -> None:
         super().__init__(config=config, pg_collection=pg_collection)
@@ -450,17 +487,19 @@ class IsoTopKRouter(TopKRouter):
             raise CanonicalSiteError("canonical router does not support: " + ", ".join(problems))
         # transformer_config(): moe_router_pre_softmax = not norm_topk_prob.
         self.renormalize = not config.moe_router_pre_softmax
+        self.ops = site_ops(config)
+        self.isoexec_impl = site_impl(config, "moe_router")
 
     def forward(self, x: torch.Tensor, padding_mask: Any = None) -> Any:  # type: ignore[override]
-        logits = ops.linear(x, self.weight)
-        return ops.moe_router(logits, self.topk, renormalize=self.renormalize)
+        logits = self.ops.linear(x, self.weight)
+        return self.ops.moe_router(logits, self.topk, renormalize=self.renormalize)
 
 
 class IsoSequentialMLP(SequentialMLP):
     """Experts slot: same parameters as `SequentialMLP` (so HF weight names map unchanged),
     computed by `ops.moe_combine` on the experts stacked in the engine's layout."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("moe_combine")
+    isoexec_impl: ImplInfo
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, **kwargs: Any) -> None:
         super().__init__(num_local_experts, config, **kwargs)
@@ -475,6 +514,8 @@ class IsoSequentialMLP(SequentialMLP):
                 f"expert tensor parallelism {etp}: experts must be whole on every TP rank "
                 "(megatron_parallel() sets expert_tensor_parallel_size=1)"
             )
+        self.ops = site_ops(config)
+        self.isoexec_impl = site_impl(config, "moe_combine")
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H] = cat(gate, up), w2 [E, H, I]): Megatron's fc1/fc2 rows as is."""
@@ -491,7 +532,7 @@ class IsoSequentialMLP(SequentialMLP):
     ) -> torch.Tensor:
         """`shared`: `shared_w13`, `shared_w2`, `shared_gate_w` of `ops.moe_combine`."""
         w13, w2 = self.stacked_weights()
-        return ops.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
+        return self.ops.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
 
 
 class IsoSharedExpertMLP(SharedExpertMLP):
@@ -557,10 +598,12 @@ class IsoGPTModel(GPTModel):
     core attention. `isoexec_impls["logprobs"]` is what `scoring.score` runs.
     """
 
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {"logprobs": ops.get_impl("logprobs")}
+    isoexec_impls: dict[str, ImplInfo]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.isoexec_ops = site_ops(self.config)  # what scoring's logprobs run
+        self.isoexec_impls = {"logprobs": site_impl(self.config, "logprobs")}
         if self.position_embedding_type != "none":
             raise CanonicalSiteError(
                 "IsoGPTModel applies RoPE in the canonical core attention; build it with "

@@ -145,6 +145,7 @@ def transformer_config(
     dtype: torch.dtype = torch.float32,
     sub: Submodules | None = None,
     tp_leaves: int | None = None,
+    backend: str = "torch",
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -246,9 +247,12 @@ def transformer_config(
             isoexec_rope_theta=arch.rope_theta,
             isoexec_rotary_dim=arch.rotary_dim,
             isoexec_tp_leaves=tp_leaves,
+            isoexec_backend=backend,
         )
-    if tp_leaves is not None:
-        raise ValueError("tp_leaves (the TP-invariant linear) needs the canonical submodules")
+    if tp_leaves is not None or backend != "torch":
+        raise ValueError(
+            "tp_leaves / a kernel backend choose canonical ops: canonical modules only"
+        )
     return TransformerConfig(**kwargs)
 
 
@@ -521,7 +525,9 @@ def build_model(
     from isoexec.contract.ops.gemm import DEFAULT_TP_LEAVES
 
     leaves = DEFAULT_TP_LEAVES if tp_invariant else None
-    config = transformer_config(arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves)
+    config = transformer_config(
+        arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend
+    )
     model_cls = sub.model or GPTModel
     model = model_cls(
         config=config,

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
@@ -44,10 +44,12 @@ def write_cache(
 
 
 class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
-    isoexec_impl: ImplInfo = ops.get_impl("attention")
+    isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ops = engine_ops()
+        self.isoexec_impl = engine_impl("attention")
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
@@ -96,7 +98,7 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
             raise UnsupportedSiteError("canonical attention is causal decoder attention only")
         n = attn_metadata.num_actual_tokens
         k_cache, v_cache = cache_views(kv_cache)
-        out = ops.attention_paged(
+        out = self.ops.attention_paged(
             query[:n],
             k_cache,
             v_cache,

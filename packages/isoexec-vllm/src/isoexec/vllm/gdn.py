@@ -27,6 +27,7 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
@@ -46,9 +47,11 @@ ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 class IsoRMSNormGated(RMSNormGated):
     """`norm(x) * w * silu(z)` in fp32, one rounding (`ops.gated_rms_norm`)."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("gated_rms_norm")
+    isoexec_impl: ImplInfo
 
     def dispatch_forward(self, compile_native: bool) -> Any:
+        self.ops = engine_ops()  # runs in CustomOp.__init__, while vLLM's config is current
+        self.isoexec_impl = engine_impl("gated_rms_norm")
         return self._canonical
 
     def _canonical(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,7 +59,7 @@ class IsoRMSNormGated(RMSNormGated):
             raise UnsupportedSiteError("canonical gated norm is norm(x) * w * silu(z) per row")
         if self.activation not in ("silu", "swish"):
             raise UnsupportedSiteError(f"gated norm activation {self.activation!r}")
-        return ops.gated_rms_norm(x, z, self.weight, self.eps)
+        return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
 
 
 # ---- GDN state cache -------------------------------------------------------------------------
@@ -90,13 +93,15 @@ class GDNStateCache:
 
 # ---- the GDN layer ---------------------------------------------------------------------------
 class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {
-        "gdn_conv": ops.get_impl("gdn_conv"),
-        "gdn_recurrence": ops.get_impl("gdn_recurrence"),
-    }
+    isoexec_impls: dict[str, ImplInfo]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ops = engine_ops()
+        self.isoexec_impls = {
+            "gdn_conv": engine_impl("gdn_conv"),
+            "gdn_recurrence": engine_impl("gdn_recurrence"),
+        }
         # The stock forward is bound per platform in the constructor; replace the binding.
         self._forward_method = self._canonical_forward
         problems = []
@@ -175,9 +180,9 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             if e == s:
                 continue
             conv_state, state = cache.read(slots[r]) if has_init[r] else (None, None)
-            y, new_conv = ops.gdn_conv(mixed_qkv[s:e], conv_w, conv_state)
+            y, new_conv = self.ops.gdn_conv(mixed_qkv[s:e], conv_w, conv_state)
             q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
-            o, new_state = ops.gdn_recurrence(
+            o, new_state = self.ops.gdn_recurrence(
                 q.reshape(e - s, hk, kd),
                 k.reshape(e - s, hk, kd),
                 v.reshape(e - s, hv, vd),

@@ -8,14 +8,14 @@ is read back from those attributes, never from intentions.
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
+from typing import Any, ClassVar
 
 import torch
 
-from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
-from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -40,10 +40,24 @@ class UnsupportedSiteError(RuntimeError):
 
 
 # ---- norms, rope, activation -----------------------------------------------------------------
-class IsoRMSNorm(RMSNorm):
-    isoexec_impl: ImplInfo = ops.get_impl("rms_norm")
+class _BoundSite:
+    """Binds the engine's backend when vLLM constructs the layer (`dispatch_forward` runs in
+    `CustomOp.__init__`, while vLLM's config is current): `self.ops` and `isoexec_impl`."""
+
+    isoexec_op: ClassVar[str]
+    isoexec_impl: ImplInfo
+    ops: ModuleType
+
+    def _bind(self) -> None:
+        self.ops = engine_ops()
+        self.isoexec_impl = engine_impl(self.isoexec_op)
+
+
+class IsoRMSNorm(_BoundSite, RMSNorm):
+    isoexec_op = "rms_norm"
 
     def dispatch_forward(self, compile_native: bool) -> Any:
+        self._bind()
         return self._canonical
 
     def _canonical(
@@ -51,29 +65,31 @@ class IsoRMSNorm(RMSNorm):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if self.variance_size_override is not None:
             raise UnsupportedSiteError("RMSNorm with var_hidden_size is not supported")
-        return ops.rms_norm(x, self.weight, self.variance_epsilon, residual=residual)
+        return self.ops.rms_norm(x, self.weight, self.variance_epsilon, residual=residual)
 
 
-class IsoGemmaRMSNorm(GemmaRMSNorm):
+class IsoGemmaRMSNorm(_BoundSite, GemmaRMSNorm):
     """Zero-centred norm (`x * (1 + w)`), as Qwen3-Next uses everywhere."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("rms_norm")
+    isoexec_op = "rms_norm"
 
     def dispatch_forward(self, compile_native: bool) -> Any:
+        self._bind()
         return self._canonical
 
     def _canonical(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        return ops.rms_norm(
+        return self.ops.rms_norm(
             x, self.weight, self.variance_epsilon, zero_centered=True, residual=residual
         )
 
 
-class IsoRotaryEmbedding(RotaryEmbedding):
-    isoexec_impl: ImplInfo = ops.get_impl("rope")
+class IsoRotaryEmbedding(_BoundSite, RotaryEmbedding):
+    isoexec_op = "rope"
 
     def dispatch_forward(self, compile_native: bool) -> Any:
+        self._bind()
         return self._canonical
 
     def _canonical(
@@ -81,22 +97,24 @@ class IsoRotaryEmbedding(RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.is_neox_style:
             raise UnsupportedSiteError("only neox-style (rotate-half) RoPE is canonical")
-        cos, sin = ops.rope_cos_sin(positions.reshape(-1), self.rotary_dim, float(self.base))
+        o = self.ops
+        cos, sin = o.rope_cos_sin(positions.reshape(-1), self.rotary_dim, float(self.base))
         t = cos.shape[0]
-        q = ops.apply_rope(query.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
+        q = o.apply_rope(query.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
         q = q.reshape(query.shape)
         k = None
         if key is not None:
-            k = ops.apply_rope(key.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
+            k = o.apply_rope(key.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
             k = k.reshape(key.shape)
         return q, k
 
 
-class IsoSiluAndMul(SiluAndMul):
-    isoexec_impl: ImplInfo = ops.get_impl("silu_mul")
+class IsoSiluAndMul(_BoundSite, SiluAndMul):
+    isoexec_op = "silu_mul"
 
     def dispatch_forward(self, compile_native: bool) -> Any:
-        return ops.silu_mul
+        self._bind()
+        return self.ops.silu_mul
 
 
 # ---- linear layers and the lm head ----------------------------------------------------------
@@ -107,7 +125,13 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
     oneDNN and empties `layer.weight`, which the canonical op (and weight sync) needs.
     """
 
-    isoexec_impl: ImplInfo = ops.get_impl("linear")
+    isoexec_op: ClassVar[str] = "linear"
+    isoexec_impl: ImplInfo
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = engine_ops()
+        self.isoexec_impl = engine_impl(self.isoexec_op)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         clear_packed_weight_cache()  # vLLM wrote the weight through `.data`
@@ -115,34 +139,30 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return ops.linear(x, layer.weight, bias)
+        return self.ops.linear(x, layer.weight, bias)
 
 
 class CanonicalTPInvariantLinearMethod(CanonicalLinearMethod):
     """Row-parallel linear as the TP-invariant `linear_tp` (options.tp_invariant): K in fixed
     leaves, fixed tree, one rounding — the bits a Megatron trainer at any TP | leaves gets."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("linear_tp")
+    isoexec_op: ClassVar[str] = "linear_tp"
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return ops.linear_tp_invariant(x, layer.weight, bias)
-
-
-def engine_options() -> IsoExecOptions:
-    """The IsoExec options of the vLLM engine being built (its `additional_config`)."""
-    from vllm.config import get_current_vllm_config_or_none
-
-    cfg = get_current_vllm_config_or_none()
-    extra = getattr(cfg, "additional_config", None) or {}
-    return IsoExecOptions.from_mapping(extra.get(VLLM_ADDITIONAL_CONFIG_KEY))
+        return self.ops.linear_tp_invariant(x, layer.weight, bias)
 
 
 class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
     """Embedding lookup stays exact; the logits GEMM (`apply`) is the canonical linear."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("linear")
+    isoexec_impl: ImplInfo
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = engine_ops()
+        self.isoexec_impl = engine_impl("linear")
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         clear_packed_weight_cache()  # vLLM wrote the weight through `.data`
@@ -150,7 +170,7 @@ class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return ops.linear(x, layer.weight, bias)
+        return self.ops.linear(x, layer.weight, bias)
 
 
 def _with_canonical_linear(base: type) -> type:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError, _with_canonical_linear
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -37,7 +37,11 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
 class IsoUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     """Unquantized expert weights kept exactly as loaded (no CPU padding or repacking)."""
 
-    isoexec_impl: ImplInfo = ops.get_impl("moe_combine")
+    isoexec_impl: ImplInfo
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.isoexec_impl = engine_impl("moe_combine")
 
     def maybe_roundup_sizes(
         self,
@@ -68,6 +72,8 @@ class IsoMoERunner(MoERunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ops = engine_ops()
+        self._router_impl = engine_impl("moe_router")
         self._check_supported()
 
     def _check_supported(self) -> None:
@@ -120,7 +126,7 @@ class IsoMoERunner(MoERunner):
         method = self.routed_experts.quant_method
         combine = getattr(method, "isoexec_impl", None)
         return {
-            "moe_router": ops.get_impl("moe_router"),
+            "moe_router": self._router_impl,
             "moe_combine": combine or ImplInfo.native("moe_combine", type(method).__name__),
         }
 
@@ -138,8 +144,9 @@ class IsoMoERunner(MoERunner):
         x = hidden_states
         re = self.routed_experts
         assert self.gate is not None
-        logits = ops.linear(x, self.gate.weight)
-        topk_weights, topk_ids = ops.moe_router(logits, re.top_k, renormalize=re.renormalize)
+        o = self.ops
+        logits = o.linear(x, self.gate.weight)
+        topk_weights, topk_ids = o.moe_router(logits, re.top_k, renormalize=re.renormalize)
         shared: dict[str, torch.Tensor] = {}
         if self._shared_experts is not None:
             mlp = self._shared_experts._layer
@@ -147,7 +154,7 @@ class IsoMoERunner(MoERunner):
             shared["shared_w2"] = mlp.down_proj.weight
             if getattr(mlp, "expert_gate", None) is not None:
                 shared["shared_gate_w"] = mlp.expert_gate.weight
-        return ops.moe_combine(x, topk_weights, topk_ids, re.w13_weight, re.w2_weight, **shared)
+        return o.moe_combine(x, topk_weights, topk_ids, re.w13_weight, re.w2_weight, **shared)
 
 
 def register_moe() -> None:

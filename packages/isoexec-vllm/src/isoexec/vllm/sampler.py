@@ -8,12 +8,14 @@ Top-k / top-p would mask the distribution in a way the trainer does not reproduc
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.sample.sampler import Sampler
 
@@ -21,33 +23,36 @@ LOGPROBS_MODE = "processed_logprobs"
 _SAMPLING_EPS = 1e-5  # vLLM's: below it a request is greedy and its logits are not tempered
 
 
-def canonical_logprobs(logits: torch.Tensor, temperature: torch.Tensor | None) -> torch.Tensor:
+def canonical_logprobs(
+    logits: torch.Tensor, temperature: torch.Tensor | None, backend_ops: ModuleType = ops
+) -> torch.Tensor:
     """Full fp32 log-softmax rows, each at its request's temperature (greedy rows: T=1)."""
     if temperature is None:
-        return ops.log_softmax(logits)
+        return backend_ops.log_softmax(logits)
     temps = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature).float().cpu()
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for t in torch.unique(temps).tolist():
         rows = (temps == t).nonzero().reshape(-1).to(logits.device)
-        out[rows] = ops.log_softmax(logits[rows], temperature=t)
+        out[rows] = backend_ops.log_softmax(logits[rows], temperature=t)
     return out
 
 
 class IsoSampler(Sampler):
-    isoexec_impl: ImplInfo = ops.get_impl("logprobs")
+    isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.ops = engine_ops()
+        self.isoexec_impl = engine_impl("logprobs")
         if self.logprobs_mode != LOGPROBS_MODE:
             raise UnsupportedSiteError(
                 f"IsoExec returns {LOGPROBS_MODE!r} (the sampled distribution); the engine "
                 f"was started with logprobs_mode={self.logprobs_mode!r}"
             )
 
-    @staticmethod
-    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
-        """Raw (T=1) logprobs, used by vLLM for prompt logprobs."""
-        return ops.log_softmax(logits)
+    def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        """Raw (T=1) logprobs, used by vLLM for prompt logprobs (through `self.sampler`)."""
+        return self.ops.log_softmax(logits)
 
     def sample(
         self,
@@ -63,7 +68,8 @@ class IsoSampler(Sampler):
             sampling_metadata.logprob_token_ids
         )
         # Before vLLM's sampling, which divides the logits by the temperature in place.
-        processed = canonical_logprobs(logits, sampling_metadata.temperature) if wanted else None
+        temps = sampling_metadata.temperature
+        processed = canonical_logprobs(logits, temps, self.ops) if wanted else None
         sampled, _ = super().sample(logits, sampling_metadata)
         return sampled, processed
 

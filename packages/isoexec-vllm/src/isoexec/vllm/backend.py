@@ -1,0 +1,37 @@
+"""Which canonical variant and kernel backend this engine's sites run.
+
+The options travel as vLLM's `additional_config["isoexec"]` (its extension point for plugin
+settings), so they reach every worker process with the rest of vLLM's config. Sites read them
+when vLLM constructs them (vLLM's config is current then) and keep the ops module and the
+`ImplInfo` they bound: what a site records is what it calls.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo
+from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+
+
+def engine_options() -> IsoExecOptions:
+    """The IsoExec options of the vLLM engine being built (defaults outside one)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    extra = getattr(cfg, "additional_config", None) or {}
+    return IsoExecOptions.from_mapping(extra.get(VLLM_ADDITIONAL_CONFIG_KEY))
+
+
+def engine_ops() -> ModuleType:
+    """The ops module of the engine's backend (`isoexec.contract.ops` or its Triton twin)."""
+    return ops.backend_ops(engine_options().backend)
+
+
+def engine_impl(op: str, **params: object) -> ImplInfo:
+    """What a site running `op` on the engine's backend records."""
+    return ops.get_backend_impl(op, engine_options().backend, **params)
+
+
+__all__ = ["engine_impl", "engine_ops", "engine_options"]
