@@ -33,6 +33,9 @@ bitwise (only forward logprobs must match).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 
 from . import _pointwise as pw
@@ -40,7 +43,7 @@ from . import _pointwise as pw
 # Keys per fixed-shape GEMM (the "tile": aligned to absolute position 0).
 DEFAULT_KV_TILE = 128
 # (query, head) rows per fixed-shape GEMM.
-DEFAULT_BLOCK_ROWS = 64
+DEFAULT_BLOCK_ROWS = 32
 # Cap on fp32 score elements held at once per KV head (memory only; the row grouping changes
 # no bits, every op after the GEMMs being per row).
 _MAX_SCORE_ELEMS = 1 << 22
@@ -50,6 +53,23 @@ def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(
         torch.ops.mkldnn, "_linear_pointwise"
     )
+
+
+@contextmanager
+def _one_thread(enabled: bool) -> Iterator[None]:
+    """Run the many small fixed-shape GEMMs on one thread (speed only: their bits are the
+    same for any thread count, see `test_gemm_shapes_row_invariant`). Each multi-threaded
+    oneDNN call opens an OpenMP region, and on a busy machine a region whose second thread is
+    descheduled waits milliseconds for a ~50 us GEMM."""
+    if not enabled:
+        yield
+        return
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _attend_fwd(
@@ -84,7 +104,8 @@ def _attend_fwd(
     qr = torch.nn.functional.pad(qr, (0, 0, 0, npad - n))
     rpos = torch.nn.functional.pad(q_pos.repeat_interleave(g), (0, npad - n))
     bchunks = [p // c + 1 for p in rpos.reshape(nb, r).amax(-1).tolist()]
-    if dev.type == "cpu" and _onednn_available():
+    cpu = dev.type == "cpu"
+    if cpu and _onednn_available():
         lp = torch.ops.mkldnn._linear_pointwise
 
         def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -103,12 +124,13 @@ def _attend_fwd(
         ncs = max(bchunks[b0:b1])
         rows = (b1 - b0) * r
         s = torch.full((hkv, rows, ncs * c), float("-inf"), device=dev)
-        for hh in range(hkv):
-            for b in range(b0, b1):
-                xb = qr[hh, b * r : (b + 1) * r]
-                o = (b - b0) * r
-                for j in range(bchunks[b]):
-                    s[hh, o : o + r, j * c : (j + 1) * c] = gemm(xb, kc[hh][j])
+        with _one_thread(cpu):
+            for hh in range(hkv):
+                for b in range(b0, b1):
+                    xb = qr[hh, b * r : (b + 1) * r]
+                    o = (b - b0) * r
+                    for j in range(bchunks[b]):
+                        s[hh, o : o + r, j * c : (j + 1) * c] = gemm(xb, kc[hh][j])
         s = s * scale
         s = s.masked_fill(kidx[: ncs * c] > rpos[b0 * r : b1 * r, None], float("-inf"))
         p = pw.exp(s - s.amax(-1, keepdim=True))
@@ -117,12 +139,13 @@ def _attend_fwd(
         for j in range(1, ncs):
             l_ += csum[..., j]
         acc = torch.zeros(hkv, rows, dv, device=dev)
-        for hh in range(hkv):
-            for b in range(b0, b1):
-                o = (b - b0) * r
-                for j in range(bchunks[b]):
-                    pb = p[hh, o : o + r, j * c : (j + 1) * c].contiguous()
-                    acc[hh, o : o + r] += gemm(pb, vt[j][hh])
+        with _one_thread(cpu):
+            for hh in range(hkv):
+                for b in range(b0, b1):
+                    o = (b - b0) * r
+                    for j in range(bchunks[b]):
+                        pb = p[hh, o : o + r, j * c : (j + 1) * c].contiguous()
+                        acc[hh, o : o + r] += gemm(pb, vt[j][hh])
         out[:, b0 * r : b1 * r] = acc / l_[..., None]
     return out[:, :n].reshape(hkv, lq, g, dv).permute(1, 0, 2, 3).reshape(lq, h, dv)
 
