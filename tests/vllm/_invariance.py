@@ -108,3 +108,30 @@ def assert_finite(obs: dict[str, list[float]]) -> None:
 def non_canonical_sites(eng: EngineProcess) -> list[str]:
     """Sites whose read-back impl is native (empty when everything is canonical)."""
     return [name for name, impl in eng.call("sites") if impl[1].startswith(NATIVE_PREFIX)]
+
+
+# ---- preemption, observed where the worker sees it -------------------------------------------
+# Run through `EngineProcess.call("collective_rpc", fn)`: `fn(worker)` runs in the engine's
+# worker. vLLM's scheduler lists every request it preempted (its KV blocks freed, to be
+# recomputed from scratch when resumed) in the next step's `SchedulerOutput.preempted_req_ids`.
+
+
+def watch_preemptions(worker: Any) -> None:
+    """Start counting preemption events on this worker (idempotent)."""
+    inner = getattr(worker, "worker", worker)  # vLLM's WorkerWrapperBase holds the worker
+    if hasattr(inner, "_isoexec_test_preempted"):
+        return
+    events: list[str] = []
+    execute_model = inner.execute_model
+
+    def counting_execute_model(scheduler_output: Any) -> Any:
+        events.extend(sorted(scheduler_output.preempted_req_ids or ()))
+        return execute_model(scheduler_output)
+
+    inner._isoexec_test_preempted = events
+    inner.execute_model = counting_execute_model
+
+
+def preemptions(worker: Any) -> int:
+    """Preemption events seen since `watch_preemptions`."""
+    return len(getattr(worker, "worker", worker)._isoexec_test_preempted)
