@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
@@ -46,15 +47,10 @@ def triton_run(
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 40, 11)]
     specs = [SamplingSpec(max_tokens=4, temperature=t) for t in TEMPS]
     sampled = engine.generate(prompts, specs)
-    jobs = [
-        dict(
-            model=model, dtype="float32", tp=1, isoexec=True, options=TRITON.to_dict(),
-            temperature=temp, contract=True,
-            seqs=[c.prompt_token_ids + c.token_ids for c, t in zip(sampled, TEMPS, strict=True)
-                  if t == temp],
-        )
-        for temp in sorted(set(TEMPS))
-    ]  # fmt: skip
+    jobs = scoring_jobs(
+        sampled, TEMPS, model=model, dtype="float32", tp=1, isoexec=True,
+        options=TRITON.to_dict(), contract=True,
+    )  # fmt: skip
     results = run_tp_jobs(jobs, [], nproc=1, env=INTERPRET)
     return {"engine": engine, "model": model, "sampled": sampled, "jobs": jobs, "results": results}
 
@@ -83,13 +79,7 @@ def test_triton_trainer_equals_triton_engine_bitwise(triton_run: dict[str, Any])
         contract, triton_run["engine"], run_id="triton-both"
     )
     assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
-    train, eng = [], []
-    for job, res in zip(triton_run["jobs"], triton_run["results"], strict=True):
-        group = [c for c, t in zip(triton_run["sampled"], TEMPS, strict=True)
-                 if t == job["temperature"]]  # fmt: skip
-        for c, lp in zip(group, res["logprobs"], strict=True):
-            train.append(lp[-len(c.token_ids) :].float())
-            eng.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    t, e = torch.cat(train), torch.cat(eng)
+    r = triton_run
+    t, e = aligned_logprobs(r["sampled"], TEMPS, r["jobs"], r["results"])
     assert t.numel() == 4 * len(TEMPS)
     assert torch.equal(t, e), (t - e).abs().max()

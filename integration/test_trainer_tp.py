@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
@@ -53,15 +54,10 @@ def tp_run(
         prompts = make_prompts(len(TEMPS), 512, seed=11)
         specs = [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
         sampled[dtype] = engine.generate(prompts, specs)
-        for temp in sorted(set(TEMPS)):
-            group = [c for c, t in zip(sampled[dtype], TEMPS, strict=True) if t == temp]
-            jobs.append(
-                dict(
-                    model=model, dtype=dtype, tp=2, isoexec=True, options=TP_INVARIANT.to_dict(),
-                    temperature=temp, seqs=[c.prompt_token_ids + c.token_ids for c in group],
-                    contract=True,
-                )
-            )  # fmt: skip
+        jobs += scoring_jobs(
+            sampled[dtype], TEMPS, model=model, dtype=dtype, tp=2, isoexec=True,
+            options=TP_INVARIANT.to_dict(), contract=True,
+        )  # fmt: skip
     results = run_tp_jobs(jobs, [])
     return {"sampled": sampled, "jobs": jobs, "results": results}
 
@@ -81,14 +77,8 @@ def test_tp2_trainer_equals_tp1_engine_bitwise(
     trainer_verdict, engine_verdict = handshake(contract, engine, run_id=f"tp2-{dtype}")
     assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
 
-    train, eng = [], []
-    for job, res in mine:
-        group = [c for c, t in zip(tp_run["sampled"][dtype], TEMPS, strict=True)
-                 if t == job["temperature"]]  # fmt: skip
-        for c, lp in zip(group, res["logprobs"], strict=True):
-            train.append(lp[-len(c.token_ids) :].float())
-            eng.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    t, e = torch.cat(train), torch.cat(eng)
+    jobs, results = [j for j, _ in mine], [r for _, r in mine]
+    t, e = aligned_logprobs(tp_run["sampled"][dtype], TEMPS, jobs, results)
     assert t.numel() == 6 * len(TEMPS)
     assert torch.equal(t, e), (t - e).abs().max()
 
