@@ -158,8 +158,9 @@ def packed_logprobs(
     # Rows predicting a next token of the same sequence, and that token.
     rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu.tolist(), lens, strict=False)])
     nxt = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(cu.tolist(), lens, strict=False)])
-    model_ops = getattr(model, "isoexec_ops", ops)  # the backend the model's sites run
-    lp = model_ops.token_logprobs(
+    if not is_isoexec(model):
+        raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
+    lp = model.isoexec_ops.token_logprobs(  # the backend the model's sites run
         logits[rows.to(device)], ids[nxt.to(device)], temperature=temperature
     )
     return list(lp.split([n - 1 for n in lens]))
