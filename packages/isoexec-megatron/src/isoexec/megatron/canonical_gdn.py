@@ -244,18 +244,10 @@ class IsoGatedDeltaNet(MegatronModule):
         for s, e in itertools.pairwise(starts):
             if e == s:
                 continue
-            y, _ = self.ops.gdn_conv(mixed_qkv[s:e], conv_w, None)
-            q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
-            o, _ = self.ops.gdn_recurrence(
-                q.reshape(e - s, hk, kd),
-                k.reshape(e - s, hk, kd),
-                v.reshape(e - s, hv, vd),
-                a[s:e],
-                b[s:e],
-                self.A_log,
-                self.dt_bias,
-                None,
-            )
+            o, _, _ = ops.gdn_sequence(
+                mixed_qkv[s:e], conv_w, a[s:e], b[s:e], self.A_log, self.dt_bias,
+                heads=(hk, hv, kd, vd), conv=self.ops.gdn_conv, recurrence=self.ops.gdn_recurrence,
+            )  # fmt: skip
             outs.append(o.to(mixed_qkv.dtype))
         if not outs:
             return mixed_qkv.new_zeros(0, hv, vd)

@@ -180,18 +180,11 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             if e == s:
                 continue
             conv_state, state = cache.read(slots[r]) if has_init[r] else (None, None)
-            y, new_conv = self.ops.gdn_conv(mixed_qkv[s:e], conv_w, conv_state)
-            q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
-            o, new_state = self.ops.gdn_recurrence(
-                q.reshape(e - s, hk, kd),
-                k.reshape(e - s, hk, kd),
-                v.reshape(e - s, hv, vd),
-                a[s:e],
-                b[s:e],
-                self.A_log,
-                self.dt_bias,
-                state,
-            )
+            o, new_conv, new_state = ops.gdn_sequence(
+                mixed_qkv[s:e], conv_w, a[s:e], b[s:e], self.A_log, self.dt_bias,
+                heads=(hk, hv, kd, vd), conv_state=conv_state, state=state,
+                conv=self.ops.gdn_conv, recurrence=self.ops.gdn_recurrence,
+            )  # fmt: skip
             core[s:e] = o.to(core.dtype)
             cache.write(slots[r], new_conv, new_state)
 

@@ -17,7 +17,7 @@ from ..impl import ImplInfo, source_fingerprint
 from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
-from .gdn import gdn_conv, gdn_recurrence
+from .gdn import gdn_conv, gdn_recurrence, gdn_sequence
 from .gemm import (
     linear,
     linear_tp_invariant,
@@ -214,6 +214,7 @@ __all__ = [
     "gather_paged_kv",
     "gdn_conv",
     "gdn_recurrence",
+    "gdn_sequence",
     "get_backend_impl",
     "get_impl",
     "linear",

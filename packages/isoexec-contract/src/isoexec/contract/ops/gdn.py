@@ -9,6 +9,8 @@ fixed width (the state is held internally as [.., HV, V, K] so Σ_k runs over th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from . import _pointwise as pw
@@ -100,3 +102,40 @@ def gdn_recurrence(
     if not batched:
         o, new_state = o[0], new_state[0]
     return o, new_state
+
+
+def gdn_sequence(
+    mixed_qkv: torch.Tensor,
+    conv_weight: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    *,
+    heads: tuple[int, int, int, int],
+    conv_state: torch.Tensor | None = None,
+    state: torch.Tensor | None = None,
+    conv: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_conv,
+    recurrence: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_recurrence,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One sequence through a GDN core, as both sides run it: `conv` over [q | k | v] channels,
+    split into heads (`heads` = (HK, HV, K, V)), `recurrence`. mixed_qkv [T, C], a, b [T, HV].
+
+    Returns (o [T, HV, V], new conv state, new recurrent state). `conv` / `recurrence` are the
+    backend's kernels (the torch ones by default); the composition itself is pure reshuffles.
+    """
+    hk, hv, kd, vd = heads
+    n = mixed_qkv.shape[0]
+    y, new_conv = conv(mixed_qkv, conv_weight, conv_state)
+    q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
+    o, new_state = recurrence(
+        q.reshape(n, hk, kd),
+        k.reshape(n, hk, kd),
+        v.reshape(n, hv, vd),
+        a.reshape(n, hv),
+        b.reshape(n, hv),
+        A_log,
+        dt_bias,
+        state,
+    )
+    return o, new_conv, new_state
