@@ -176,6 +176,14 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
     def same(meg: str, hf: str) -> ParamMapping:
         return ParamMapping(meg, (hf,), _identity_in, _identity_out)
 
+    def swiglu(meg: str, hf: str) -> list[ParamMapping]:
+        """A SwiGLU MLP: fc1 = cat(gate_proj, up_proj), fc2 = down_proj."""
+        fc1 = (f"{hf}.gate_proj.weight", f"{hf}.up_proj.weight")
+        return [
+            ParamMapping(f"{meg}.linear_fc1.weight", fc1, _glu_in, _glu_out),
+            same(f"{meg}.linear_fc2.weight", f"{hf}.down_proj.weight"),
+        ]
+
     maps = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}", f"model.layers.{i}"
@@ -211,37 +219,12 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
             maps.append(same(f"{m}.mlp.router.weight", f"{h}.mlp.gate.weight"))
             if arch.moe.shared_expert_intermediate_size:
                 ms, hs = f"{m}.mlp.shared_experts", f"{h}.mlp.shared_expert"
-                maps += [
-                    ParamMapping(
-                        f"{ms}.linear_fc1.weight",
-                        (f"{hs}.gate_proj.weight", f"{hs}.up_proj.weight"),
-                        _glu_in,
-                        _glu_out,
-                    ),
-                    same(f"{ms}.linear_fc2.weight", f"{hs}.down_proj.weight"),
-                    same(f"{ms}.gate_weight", f"{h}.mlp.shared_expert_gate.weight"),
-                ]
+                maps += swiglu(ms, hs)
+                maps.append(same(f"{ms}.gate_weight", f"{h}.mlp.shared_expert_gate.weight"))
             for e in range(arch.moe.num_experts):
-                me, he = f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}"
-                maps += [
-                    ParamMapping(
-                        f"{me}.linear_fc1.weight",
-                        (f"{he}.gate_proj.weight", f"{he}.up_proj.weight"),
-                        _glu_in,
-                        _glu_out,
-                    ),
-                    same(f"{me}.linear_fc2.weight", f"{he}.down_proj.weight"),
-                ]
+                maps += swiglu(f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}")
         else:
-            maps += [
-                ParamMapping(
-                    f"{m}.mlp.linear_fc1.weight",
-                    (f"{h}.mlp.gate_proj.weight", f"{h}.mlp.up_proj.weight"),
-                    _glu_in,
-                    _glu_out,
-                ),
-                same(f"{m}.mlp.linear_fc2.weight", f"{h}.mlp.down_proj.weight"),
-            ]
+            maps += swiglu(f"{m}.mlp", f"{h}.mlp")
     maps.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
     if not arch.tie_word_embeddings:
         maps.append(same("output_layer.weight", "lm_head.weight"))
