@@ -257,3 +257,69 @@ def test_accuracy_vs_float64_long():
     q, k, v = _qkv(300, seed=15)
     out = attention_varlen(q, k, v, torch.tensor([0, 300]), scale=SCALE).double()
     assert (out - _ref64(q, k, v)).abs().max() < 1e-5
+
+
+def _decode_step_inputs(lens, qlens, bs=8, seed=11):
+    """A paged batch of requests with context lengths `lens`, the last `qlens` tokens new."""
+    g = torch.Generator().manual_seed(seed)
+    nblk = sum(-(-n // bs) for n in lens) + 3
+    kc = torch.randn(nblk, bs, HKV, D, generator=g)
+    vc = torch.randn(nblk, bs, HKV, D, generator=g)
+    perm = torch.randperm(nblk, generator=g)
+    width = max(-(-n // bs) for n in lens) + 2
+    bt = torch.full((len(lens), width), 10**6, dtype=torch.int32)  # unused columns: garbage
+    used = 0
+    for r, n in enumerate(lens):
+        nb = -(-n // bs)
+        bt[r, :nb] = perm[used : used + nb]
+        used += nb
+    q = torch.randn(sum(qlens), H, D, generator=g)
+    qsl = torch.tensor([0, *torch.tensor(qlens).cumsum(0).tolist()])
+    return q, kc, vc, bt, torch.tensor(lens), qsl
+
+
+def test_paged_step_equals_each_request_alone_and_memory_groups(monkeypatch):
+    """One call over many requests (decode, prefill chunk, an empty request) gives each request
+    the bits it gets alone; splitting the batch into memory groups changes no bit."""
+    lens, qlens = [5, 130, 1, 300, 64, 9, 257], [1, 1, 1, 20, 0, 9, 1]
+    q, kc, vc, bt, sl, qsl = _decode_step_inputs(lens, qlens)
+    whole = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
+    for r in range(len(lens)):
+        s, e = int(qsl[r]), int(qsl[r + 1])
+        if e == s:
+            continue
+        alone = attention_paged(
+            q[s:e], kc, vc, bt[r : r + 1], sl[r : r + 1], torch.tensor([0, e - s]), scale=SCALE
+        )
+        assert torch.equal(alone, whole[s:e]), r
+    import isoexec.contract.ops.attention as attn
+
+    monkeypatch.setattr(attn, "_MAX_PADDED_KEYS", 300)  # a group per request or two
+    monkeypatch.setattr(attn, "_MAX_SCORE_ELEMS", 1 << 12)  # one row block at a time
+    assert len(attn._memory_groups(lens, attn.DEFAULT_KV_TILE)) > 3
+    assert torch.equal(attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE), whole)
+    t = 150
+    q, k, v = _qkv(t, seed=12)
+    cu = torch.tensor([0, 3, 100, 101, t])
+    monkeypatch.undo()
+    ref = attention_varlen(q, k, v, cu, scale=SCALE)
+    monkeypatch.setattr(attn, "_MAX_PADDED_KEYS", 128)
+    assert torch.equal(attention_varlen(q, k, v, cu, scale=SCALE), ref)
+
+
+def test_one_thread_leaves_a_stubbed_thread_count_alone(monkeypatch):
+    """vLLM's CPU worker replaces torch.set_num_threads with a warning stub after binding its
+    threads; the attention must neither call it (thousands of warnings per generate) nor
+    change its bits."""
+    q, kc, vc, bt, sl, qsl = _decode_step_inputs([40, 7], [1, 1])
+    ref = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
+    calls: list[int] = []
+    real, old = torch.set_num_threads, torch.get_num_threads()
+    real(2)  # more than one thread: the guard, not the 1-thread shortcut, must skip the call
+    try:
+        monkeypatch.setattr(torch, "set_num_threads", lambda n: calls.append(n))
+        got = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
+    finally:
+        monkeypatch.undo()
+        real(old)
+    assert calls == [] and torch.equal(got, ref)

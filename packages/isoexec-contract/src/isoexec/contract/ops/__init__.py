@@ -87,8 +87,9 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             "cache": "bs-hkv-d",
         },
         (
-            attention._attend,
             attention._attend_fwd,
+            attention._varlen_fwd,
+            attention._padded_keys,
             attention.attention_varlen,
             attention.attention_paged,
             attention.gather_paged_kv,
