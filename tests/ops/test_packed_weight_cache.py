@@ -35,3 +35,30 @@ def test_enabled_cache_is_stale_until_cleared() -> None:
         assert torch.equal(ops.linear(x, w), ops.linear(x, w.detach().clone()))
     finally:
         gemm.enable_packed_weight_cache(False)
+
+
+def test_expert_slices_are_cached_per_slice_and_follow_updates() -> None:
+    """MoE: `w13[e]` is a view of the stacked parameter; each expert's slice gets its own
+    packed weight (reused across calls), and an in-place update of the stack repacks."""
+    gemm.enable_packed_weight_cache()
+    try:
+        w13 = torch.nn.Parameter(torch.randn(4, 64, 48))
+        x = torch.randn(5, 48)
+        with torch.inference_mode():
+            ys = [ops.linear(x, w13[e]) for e in range(4)]
+            assert len(gemm._PACK_CACHE) == 4
+            packed = {k: v[2] for k, v in gemm._PACK_CACHE.items()}
+            again = [ops.linear(x, w13[e]) for e in range(4)]
+            assert all(p is gemm._PACK_CACHE[k][2] for k, p in packed.items())  # hits
+        for e in range(4):
+            assert torch.equal(ys[e], again[e])
+            assert torch.equal(ys[e], ops.linear(x, w13[e].detach().clone()))
+        assert not torch.equal(ys[0], ys[1])
+        with torch.no_grad():
+            w13[2].mul_(2.0)  # in-place through a view: the shared version counter moves
+        with torch.inference_mode():
+            assert torch.equal(ops.linear(x, w13[2]), ops.linear(x, w13[2].detach().clone()))
+        del w13
+        assert not gemm._PACK_CACHE  # the entries die with the parameter
+    finally:
+        gemm.enable_packed_weight_cache(False)

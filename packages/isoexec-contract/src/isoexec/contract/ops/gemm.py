@@ -23,8 +23,8 @@ import torch
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_TP_LEAVES = 8
 
-# id(weight) -> (weakref to weight, (version, data_ptr, block_rows), packed weight)
-_PACK_CACHE: dict[int, tuple[weakref.ref, tuple[int, int, int], torch.Tensor]] = {}
+# (id(parameter), storage offset, shape) -> (weakref to the parameter, stamp, packed weight)
+_PACK_CACHE: dict[tuple, tuple[weakref.ref, tuple[int, int, int], torch.Tensor]] = {}
 # Off unless the owner of the weights turns it on (see `enable_packed_weight_cache`).
 _PACK_CACHE_ENABLED = False
 
@@ -54,25 +54,36 @@ def _onednn_available() -> bool:
     )
 
 
-def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """oneDNN-prepacked fp32 weight; cached per (tensor identity, version, storage, R) when the
-    cache is enabled.
+def _owning_parameter(weight: torch.Tensor) -> torch.nn.Parameter | None:
+    """The parameter `weight` is, or a view of (one expert's slice `w13[e]` of the stacked
+    expert weights): only parameters live across calls."""
+    if isinstance(weight, torch.nn.Parameter):
+        return weight
+    base = weight._base
+    return base if isinstance(base, torch.nn.Parameter) else None
 
-    Packing costs about one weight copy; the cache makes decode steps not pay it. An in-place
-    update bumps `_version` and a new `.data` changes `data_ptr`: both repack; a write through
-    `.data` is invisible, hence the explicit enable/clear protocol.
+
+def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """oneDNN-prepacked fp32 weight; cached per (parameter, slice, version, storage, R) when
+    the cache is enabled.
+
+    Packing costs about one weight copy; the cache makes decode steps not pay it (for MoE, per
+    expert slice of the stacked weights). An in-place update bumps `_version` (shared by a
+    parameter and its views) and a new `.data` changes `data_ptr`: both repack; a write
+    through `.data` is invisible, hence the explicit enable/clear protocol.
     """
-    if not _PACK_CACHE_ENABLED or not isinstance(weight, torch.nn.Parameter):
-        # Only parameters live across calls; a temporary (a K-leaf slice, an upcast copy) is
-        # packed fresh — and under inference mode it has no `_version` to stamp.
+    param = _owning_parameter(weight) if _PACK_CACHE_ENABLED else None
+    if param is None:
+        # A temporary (a K-leaf slice, an upcast copy) is packed fresh — and under inference
+        # mode it has no `_version` to stamp.
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
-    stamp = (weight._version, weight.data_ptr(), block_rows)
-    hit = _PACK_CACHE.get(id(weight))
-    if hit is not None and hit[0]() is weight and hit[1] == stamp:
+    key = (id(param), weight.storage_offset(), tuple(weight.shape))
+    stamp = (param._version, param.data_ptr(), block_rows)
+    hit = _PACK_CACHE.get(key)
+    if hit is not None and hit[0]() is param and hit[1] == stamp:
         return hit[2]
     packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
-    key = id(weight)
-    ref = weakref.ref(weight, lambda _r, key=key: _PACK_CACHE.pop(key, None))
+    ref = weakref.ref(param, lambda _r, key=key: _PACK_CACHE.pop(key, None))
     _PACK_CACHE[key] = (ref, stamp, packed)
     return packed
 
