@@ -1,10 +1,10 @@
 """Qwen3-Next and Qwen3.5 text on the trainer: a canonical Gated DeltaNet layer, its gated
 output norm and the gated full attention, for Megatron's ModuleSpec slots.
 
-Megatron-core's own `GatedDeltaNet` cannot be the native arm on CPU (it needs
-flash-linear-attention, allocates on the CUDA device, refuses packed sequences and only runs
-the chunked delta rule, never bitwise equal to the recurrent form) and its fused `in_proj`
-layout is not HF's. So the linear-attention layer's `self_attention` slot holds
+Megatron-core's own `GatedDeltaNet` is the native arm (`build_model(isoexec=False)`), but it
+cannot be the canonical layer: it only runs the chunked delta rule (never bitwise equal to the
+engine's recurrent form), refuses packed sequences, and its fused `in_proj` layout is not HF's.
+So the isoexec linear-attention layer's `self_attention` slot holds
 `IsoGatedDeltaNet`, which computes exactly what the engine's `IsoQwenGatedDeltaNetAttention`
 (`isoexec.vllm.gdn`) computes for a request that starts from empty state:
 

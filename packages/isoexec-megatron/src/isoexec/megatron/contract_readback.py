@@ -50,6 +50,14 @@ _LAYER_PATHS: dict[str, str] = {
     "linear_attn.norm": "self_attention.norm",
     "linear_attn.out_proj": "self_attention.out_proj",
 }
+# A native GDN layer (Megatron's own `GatedDeltaNet`, which runs the conv and the recurrence
+# itself too) names its modules differently: one fused `in_proj` for both projections, and
+# `out_norm` (the norm; the layer applies the silu gate).
+_NATIVE_GDN_PATHS: dict[str, str] = {
+    "linear_attn.in_proj_qkvz": "self_attention.in_proj",
+    "linear_attn.in_proj_ba": "self_attention.in_proj",
+    "linear_attn.norm": "self_attention.out_norm",
+}
 _TOP_PATHS = {"final_norm": "decoder.final_layernorm", "lm_head": "output_layer"}
 
 
@@ -120,7 +128,10 @@ def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, Imp
             act = getattr(mlp, "activation_func", None)
             out[name] = _impl_of(act if isinstance(act, torch.nn.Module) else mlp, op)
         elif rest in _LAYER_PATHS:
-            out[name] = _impl_of(_lookup(modules, f"{prefix}.{_LAYER_PATHS[rest]}", name), op)
+            path = f"{prefix}.{_LAYER_PATHS[rest]}"
+            if path not in modules and rest in _NATIVE_GDN_PATHS:
+                path = f"{prefix}.{_NATIVE_GDN_PATHS[rest]}"
+            out[name] = _impl_of(_lookup(modules, path, name), op)
         else:
             raise SiteNotFoundError(f"site {name}: no Megatron mapping (architecture not wired)")
     return out

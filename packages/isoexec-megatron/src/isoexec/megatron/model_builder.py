@@ -12,11 +12,16 @@ class. `native_submodules()` is Megatron's own local (no-TE) implementation;
 `build_model(..., isoexec=True)`. A new architecture adds a `LayerSpecBuilder` to
 `_LAYER_SPEC_BUILDERS`.
 
-The GDN hybrids, Qwen3-Next and Qwen3.5 text, are built in isoexec mode only: their
-linear-attention layers put `canonical_gdn.IsoGatedDeltaNet` in the `self_attention` slot,
-their full-attention layers Megatron's gated `SelfAttention` (`IsoGatedSelfAttention`);
-Qwen3-Next's MoE layers get a gated shared expert, Qwen3.5's layers a dense MLP. Megatron's own
-`GatedDeltaNet` cannot be a native arm on CPU (see `NATIVE_GDN_REFUSAL`).
+The GDN hybrids, Qwen3-Next and Qwen3.5 text: their linear-attention layers put a GDN layer
+in the `self_attention` slot, their full-attention layers Megatron's `SelfAttention` with
+`attention_output_gate`; Qwen3-Next's MoE layers get a gated shared expert, Qwen3.5's layers a
+dense MLP; norms are zero-centred (`layernorm_zero_centered_gamma`). isoexec mode:
+`canonical_gdn.IsoGatedDeltaNet` and `IsoGatedSelfAttention`. Native mode: Megatron's own
+`GatedDeltaNet` (fused `in_proj` [q | k | v | z | b | a], `conv1d`, `out_norm` with HF's plain
+gain, `out_proj`) and `SelfAttention`, stock; on a CPU it runs through three shims in
+`cpu_shims` (zero-centred torch RMSNorm for TE's, torch stand-ins for fla's `l2norm` and
+chunked delta rule, CPU allocation). Megatron's `GatedDeltaNet` refuses packed (THD)
+sequences, which native scoring never sends (one sequence per forward, see `scoring`).
 """
 
 from __future__ import annotations
@@ -70,22 +75,19 @@ class Submodules:
     shared_experts: type | None = None  # gated shared expert of a MoE layer
 
 
-# Why there is no native Qwen3-Next / Qwen3.5 on the trainer.
-NATIVE_GDN_REFUSAL = (
-    "GDN hybrids (Qwen3-Next, Qwen3.5) have no native Megatron build here: megatron-core's "
-    "GatedDeltaNet refuses to construct without flash-linear-attention (a CUDA/Triton "
-    "package), allocates its conv/dt_bias/A_log parameters on the CUDA device, refuses packed "
-    "sequences, and only runs the chunked delta rule (never bitwise equal to the engine's "
-    "recurrent form); its fused in_proj layout is not HF's either. Build it with isoexec=True."
-)
-
-
 def native_submodules() -> Submodules:
-    """Megatron-core's local (no Transformer Engine, no apex) modules."""
+    """Megatron-core's local (no Transformer Engine, no apex) modules.
+
+    GDN hybrids: Megatron's `GatedDeltaNet` (its output norm a `WrappedTorchNorm`), the gated
+    `SelfAttention` and `SharedExpertMLP`, as they are.
+    """
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.attention import SelfAttention
     from megatron.core.transformer.dot_product_attention import DotProductAttention
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.router import TopKRouter
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     return Submodules(
@@ -101,6 +103,10 @@ def native_submodules() -> Submodules:
         experts=SequentialMLP,
         router=TopKRouter,
         name="native",
+        gated_attention=SelfAttention,
+        linear_attention=GatedDeltaNet,
+        gated_norm=WrappedTorchNorm,
+        shared_experts=SharedExpertMLP,
     )
 
 
@@ -361,12 +367,46 @@ def qwen3_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
     )
 
 
+def _native_gdn_spec(sub: Submodules) -> Any:
+    """Megatron's `GatedDeltaNet` as Qwen3-Next / Qwen3.5 run it: q/k l2norm, no biases, conv
+    without bias, silu (config) conv activation and output gate. Its output norm is built with
+    `zero_centered_gamma=False`: HF's gated norm has a plain gain, while the config's
+    `layernorm_zero_centered_gamma` (for every other norm) would make it `x·(1 + w)`, and
+    converting the weight by ±1 is not a bit-exact round trip."""
+    from megatron.core.ssm import gated_delta_net
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    assert sub.linear_attention is not None and sub.gated_norm is not None
+    if not gated_delta_net.HAVE_FLA:
+        raise ImportError(
+            "Megatron's GatedDeltaNet needs flash-linear-attention (GPU) or, on a CPU, "
+            "transformers (cpu_shims binds its torch l2norm in fla's place)"
+        )
+    return ModuleSpec(
+        module=sub.linear_attention,
+        params={"bias": False, "conv_bias": False, "use_qk_l2norm": True},
+        submodules=gated_delta_net.GatedDeltaNetSubmodules(
+            in_proj=sub.linear_fc1,  # column-parallel, [q | k | v | z | b | a] (flat)
+            out_norm=ModuleSpec(module=sub.gated_norm, params={"zero_centered_gamma": False}),
+            out_proj=sub.linear_fc2,
+        ),
+    )
+
+
+def _is_megatron_gdn(cls: type | None) -> bool:
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+
+    return isinstance(cls, type) and issubclass(cls, GatedDeltaNet)
+
+
 def _gdn_spec(arch: ModelArch, sub: Submodules) -> Any:
     from isoexec.megatron.canonical_gdn import GDNSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     assert sub.linear_attention is not None and sub.gated_norm is not None
     assert arch.gdn is not None
+    if _is_megatron_gdn(sub.linear_attention):
+        return _native_gdn_spec(sub)
     return ModuleSpec(
         module=sub.linear_attention,
         params={"qkvz_layout": arch.gdn.layout},
@@ -395,7 +435,9 @@ def qwen3_next_layer_spec(arch: ModelArch, layer: int, sub: Submodules) -> Any:
     )
 
     if sub.linear_attention is None or sub.gated_norm is None or sub.gated_attention is None:
-        raise NotImplementedError(f"{sub.name} modules: {NATIVE_GDN_REFUSAL}")
+        raise NotImplementedError(
+            f"{sub.name} modules have no GDN / gated-attention layer for {arch.architecture}"
+        )
     if arch.kinds[layer] == "linear_attention":
         mixer = _gdn_spec(arch, sub)
     else:
@@ -511,10 +553,11 @@ def build_model(
             "TP-invariant; pass options=IsoExecOptions(tp_invariant=True) (bitwise equal to "
             "tp=1 with the same options)"
         )
-    if isoexec and tp != 1 and arch.gdn is not None:
+    if tp != 1 and arch.gdn is not None:
         raise NotImplementedError(
-            f"build_model(isoexec=True, tp={tp}) for {arch.architecture}: the canonical GDN "
-            "layer is TP=1 only (its heads/conv channels are not sharded yet)"
+            f"build_model(isoexec={isoexec}, tp={tp}) for {arch.architecture}: GDN layers are "
+            "TP=1 only (the canonical layer's heads/conv channels are not sharded yet; the "
+            "per-rank layout of Megatron GatedDeltaNet's fused in_proj/conv1d is not mapped)"
         )
     if not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
@@ -538,7 +581,7 @@ def build_model(
         post_process=True,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="none" if sub.rope_in_core_attention else "rope",
-        rotary_percent=1.0,
+        rotary_percent=arch.partial_rotary_factor,  # unused with RoPE in the core attention
         rotary_base=arch.rope_theta,
     )
     _norms_to_model_dtype(model, dtype)
@@ -552,7 +595,6 @@ def build_model(
 
 
 __all__ = [
-    "NATIVE_GDN_REFUSAL",
     "Submodules",
     "block_spec",
     "build_model",

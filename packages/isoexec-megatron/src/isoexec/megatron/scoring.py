@@ -12,7 +12,8 @@ sequence of token ids t_0..t_{n-1} it returns log p(t_{i+1} | t_0..t_i) for i = 
   and split. Logits are the canonical lm head on every row; logprobs are
   `ops.token_logprobs(logits, next_ids, temperature=T)`, the engine sampler's op.
 - native model: one forward per sequence with batch size 1 (Megatron's local
-  `DotProductAttention` refuses packed sequences); fp32 log-softmax + gather.
+  `DotProductAttention` and its `GatedDeltaNet` refuse packed sequences); fp32 log-softmax +
+  gather.
 """
 
 from __future__ import annotations

@@ -25,6 +25,16 @@ that its checkpoint splits the GDN projections: `in_proj_qkvz` = cat(`in_proj_qk
 `in_proj_z`) and `in_proj_ba` = cat(`in_proj_b`, `in_proj_a`) (rows; the "flat" layout, what
 vLLM's non-interleaved GDN layer holds).
 
+A native model (`build_model(isoexec=False)`) has Megatron's own `GatedDeltaNet` in its GDN
+layers (`param_mappings(arch, native=True)`; everything else maps as above):
+- `in_proj.weight` = rows [q | k | v | z | b | a], each block head-major over all heads. From
+  Qwen3.5 that is cat(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); from Qwen3-Next's
+  per-key-head-group `in_proj_qkvz` ([q_g | k_g | v_g×r | z_g×r]) and `in_proj_ba`
+  ([b_g×r | a_g×r]) it is the same rows regrouped block by block (value heads stay in HF's
+  order, g·r + j, which is the order Megatron's `repeat_interleave` of q/k pairs them with);
+- `conv1d.weight`, `dt_bias`, `A_log`, `out_norm.weight` (⇄ `norm.weight`), `out_proj.weight`
+  by identity; `A_log` in the model dtype, as Megatron allocates it.
+
 At TP>1 the mappings still describe the full layout; `tp_layout` slices it per rank on load
 and gathers it back on export (a collective: every TP rank must export together).
 """
@@ -166,9 +176,62 @@ def _gdn_projection_mappings(arch: ModelArch, sa: str, la: str) -> list[ParamMap
     ]
 
 
-def param_mappings(arch: ModelArch) -> list[ParamMapping]:
+def _native_gdn_in_proj_fns(
+    arch: ModelArch,
+) -> tuple[
+    Callable[[list[torch.Tensor]], torch.Tensor], Callable[[torch.Tensor], list[torch.Tensor]]
+]:
+    """Megatron `GatedDeltaNet.in_proj` [q | k | v | z | b | a] ⇄ HF's GDN projections."""
+    gdn = arch.gdn
+    assert gdn is not None
+    hk, hv, kd, vd = gdn.num_key_heads, gdn.num_value_heads, gdn.key_head_dim, gdn.value_head_dim
+    if gdn.layout == "flat":  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a: rows as they are
+        return _rows_fns([2 * hk * kd + hv * vd, hv * vd, hv, hv])
+    r = hv // hk
+    blocks = [hk * kd, hk * kd, hv * vd, hv * vd, hv, hv]  # q, k, v, z, b, a
+    qkvz_split, ba_split = [kd, kd, r * vd, r * vd], [r, r]  # per key-head group
+
+    def to_megatron(ts: list[torch.Tensor]) -> torch.Tensor:
+        qkvz, ba = ts
+        h = qkvz.shape[-1]
+        per_group = [*qkvz.reshape(hk, sum(qkvz_split), h).split(qkvz_split, dim=1)]
+        per_group += [*ba.reshape(hk, sum(ba_split), h).split(ba_split, dim=1)]
+        return torch.cat([t.reshape(-1, h) for t in per_group], dim=0)
+
+    def to_hf(t: torch.Tensor) -> list[torch.Tensor]:
+        if t.shape[0] != sum(blocks):
+            raise CheckpointMismatchError(f"{tuple(t.shape)} does not split into rows {blocks}")
+        h = t.shape[-1]
+        q, k, v, z, b, a = (x.reshape(hk, -1, h) for x in t.split(blocks, dim=0))
+        return [torch.cat([q, k, v, z], dim=1).reshape(-1, h), torch.cat([b, a], 1).reshape(-1, h)]
+
+    return to_megatron, to_hf
+
+
+def _native_gdn_mappings(arch: ModelArch, sa: str, la: str) -> list[ParamMapping]:
+    """The parameters of Megatron's `GatedDeltaNet` in the `self_attention` slot."""
+    assert arch.gdn is not None
+    if arch.gdn.layout == "flat":
+        hf_proj = tuple(f"{la}.in_proj_{p}.weight" for p in ("qkv", "z", "b", "a"))
+    else:
+        hf_proj = (f"{la}.in_proj_qkvz.weight", f"{la}.in_proj_ba.weight")
+    to_megatron, to_hf = _native_gdn_in_proj_fns(arch)
+    maps = [ParamMapping(f"{sa}.in_proj.weight", hf_proj, to_megatron, to_hf)]
+    for meg, hf in (
+        ("conv1d.weight", "conv1d.weight"),
+        ("dt_bias", "dt_bias"),
+        ("A_log", "A_log"),
+        ("out_norm.weight", "norm.weight"),
+        ("out_proj.weight", "out_proj.weight"),
+    ):
+        maps.append(ParamMapping(f"{sa}.{meg}", (f"{la}.{hf}",), _identity_in, _identity_out))
+    return maps
+
+
+def param_mappings(arch: ModelArch, *, native: bool = False) -> list[ParamMapping]:
     """Every Megatron parameter of a model built from `arch`, mapped to HF names (Qwen3 family,
-    Qwen3-Next, Qwen3.5 text)."""
+    Qwen3-Next, Qwen3.5 text). `native`: the model has Megatron's own modules
+    (`build_model(isoexec=False)`), which differ from the canonical ones in GDN layers only."""
     if arch.architecture not in MAPPED_ARCHITECTURES:
         raise ValueError(f"no weight mapping for architecture {arch.architecture!r}")
     qkv_in, qkv_out = _qkv_fns(arch)
@@ -188,7 +251,9 @@ def param_mappings(arch: ModelArch) -> list[ParamMapping]:
     for i in range(arch.num_layers):
         m, h = f"decoder.layers.{i}", f"model.layers.{i}"
         maps.append(same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"))
-        if arch.kinds[i] == "linear_attention":
+        if arch.kinds[i] == "linear_attention" and native:
+            maps += _native_gdn_mappings(arch, f"{m}.self_attention", f"{h}.linear_attn")
+        elif arch.kinds[i] == "linear_attention":
             sa, la = f"{m}.self_attention", f"{h}.linear_attn"
             maps += _gdn_projection_mappings(arch, sa, la)
             maps += [
@@ -250,7 +315,7 @@ def _checked_mappings(
 ) -> tuple[list[ParamMapping], dict[str, torch.nn.Parameter]]:
     """The mappings, verified to cover the model's parameters exactly (no more, no less)."""
     arch = _model_arch(model)
-    maps = param_mappings(arch)
+    maps = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
     params = dict(model.named_parameters())
     mapped = {m.megatron_name for m in maps}
     if mapped != set(params):
