@@ -9,9 +9,10 @@ Then a per-op profile of the IsoExec trainer forward (time inside each canonical
                                   [--out bench.json]
 
 The issue's target size (hidden 768-1024, 8-12 layers, vocab 32k, 32 prompts x 128 tokens)
-runs with flags; the defaults are sized for the 2-core CI machine. A GDN variant has no native
-arm on a CPU machine (stock vLLM-CPU runs GDN only in bf16 with head dims 64/128, and
-Megatron-core's GatedDeltaNet needs fla + CUDA), so there is nothing to compare it against here.
+runs with flags; the defaults are sized for the 2-core CI machine. A GDN variant is not offered:
+stock vLLM-CPU runs GDN only in bf16 with head dims 64/128, so the engine has no native arm to
+compare against on a CPU machine (the trainer has one: Megatron-core's own GatedDeltaNet, run
+on the CPU through `isoexec.megatron.cpu_shims`).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int, family: str = "d
     if family == "moe":  # Qwen3-MoE-like: 8 experts, top-2, expert width hidden / 2
         overrides.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
     elif family != "dense":
-        raise ValueError(f"family {family!r}: dense or moe (GDN has no native CPU arm)")
+        raise ValueError(f"family {family!r}: dense or moe (GDN has no native vLLM-CPU arm)")
     preset = {"dense": "tiny-dense", "moe": "tiny-moe"}[family]
     return make_tiny_model(preset, out, overrides=overrides)
 
