@@ -211,45 +211,46 @@ def test_decode_equals_prefill_across_chunks_and_row_blocks(dtype, kv_tile, bloc
                 assert torch.equal(torch.cat(outs), full), (nt, split)
 
 
-def test_gemm_shapes_row_invariant():
-    """The property the kernel rests on, for the shapes it uses: a fixed-shape GEMM
-    ([R, D] x [D, kv_tile] and [R, kv_tile] x [kv_tile, Dv]) gives a row the same bits at every
-    position in the block and whatever the other rows hold, with 1 and 2 threads."""
-    from isoexec.contract.ops.attention import _onednn_available
-
-    if not _onednn_available():
-        pytest.skip("oneDNN not available")
-    lp = torch.ops.mkldnn._linear_pointwise
+def test_gemm_items_row_invariant():
+    """The property the kernel rests on, for the shapes it uses: one item of the batched
+    fixed-shape GEMMs (`torch.bmm` of [R, D] x [D, kv_tile] with the key tile transposed, and
+    [R, kv_tile] x [kv_tile, Dv]) gives a row the same bits at every position in its block,
+    whatever the other rows hold, whatever other items share the call, with 1 and 2 threads."""
     g = torch.Generator().manual_seed(13)
-    for r, kk, n in ((32, 64, 128), (32, 128, 128), (32, 128, 64), (64, 128, 128), (32, 32, 16)):
+    for r, kk, n, transposed in (
+        (32, 64, 128, True),
+        (32, 128, 128, True),
+        (32, 128, 128, False),
+        (32, 128, 64, False),
+        (32, 32, 16, True),
+    ):
         w = torch.randn(n, kk, generator=g)
-        row = torch.randn(1, kk, generator=g)
+        row = torch.randn(kk, generator=g)
         ref = None
         for nt in (1, 2):
             with num_threads(nt):
-                for pos in (0, 1, r // 2, r - 1):
-                    x = torch.randn(r, kk, generator=g)
-                    if pos == r // 2:
-                        x[pos + 1 :] = 0  # a zero-padded last block
-                    x[pos] = row[0]
-                    got = lp(x, w, None, "none", [None], "")[pos]
-                    ref = got if ref is None else ref
-                    assert torch.equal(got, ref), (r, kk, n, nt, pos)
+                for batch in (1, 3, 64):
+                    for pos in (0, 1, r // 2, r - 1):
+                        x = torch.randn(batch, r, kk, generator=g)
+                        ws = torch.randn(batch, n, kk, generator=g)
+                        item = batch // 2
+                        if pos == r // 2:
+                            x[item, pos + 1 :] = 0  # a zero-padded last block
+                        x[item, pos], ws[item] = row, w
+                        rhs = ws.transpose(1, 2) if transposed else ws.transpose(1, 2).contiguous()
+                        got = torch.bmm(x, rhs)[item, pos]
+                        ref = got if ref is None else ref
+                        assert torch.equal(got, ref), (r, kk, n, nt, batch, pos)
 
 
 def test_negative_control_one_gemm_over_all_keys_depends_on_key_count():
     """Why p·v is cut into fixed chunks: one GEMM over all keys (K = number of keys, zeros
-    past the query) changes a row's bits when K changes (oneDNN blocks K by size)."""
-    from isoexec.contract.ops.attention import _onednn_available
-
-    if not _onednn_available():
-        pytest.skip("oneDNN not available")
-    lp = torch.ops.mkldnn._linear_pointwise
+    past the query) changes a row's bits when K changes (the BLAS blocks K by size)."""
     g = torch.Generator().manual_seed(14)
-    p = torch.rand(64, 1000, generator=g)
-    vt = torch.randn(64, 4096, generator=g)
-    short = lp(p, vt[:, :1000].contiguous(), None, "none", [None], "")
-    long_ = lp(torch.nn.functional.pad(p, (0, 3096)), vt, None, "none", [None], "")
+    p = torch.rand(1, 64, 1000, generator=g)
+    v = torch.randn(1, 4096, 64, generator=g)
+    short = torch.bmm(p, v[:, :1000])
+    long_ = torch.bmm(torch.nn.functional.pad(p, (0, 3096)), v)
     assert not torch.equal(short, long_)
 
 
@@ -307,10 +308,10 @@ def test_paged_step_equals_each_request_alone_and_memory_groups(monkeypatch):
     assert torch.equal(attention_varlen(q, k, v, cu, scale=SCALE), ref)
 
 
-def test_one_thread_leaves_a_stubbed_thread_count_alone(monkeypatch):
+def test_attention_never_touches_the_thread_count(monkeypatch):
     """vLLM's CPU worker replaces torch.set_num_threads with a warning stub after binding its
-    threads; the attention must neither call it (thousands of warnings per generate) nor
-    change its bits."""
+    threads (an earlier attention switched to one thread per call: two warnings each, thousands
+    per generate); the attention must not call it, and its bits must not depend on it."""
     q, kc, vc, bt, sl, qsl = _decode_step_inputs([40, 7], [1, 1])
     ref = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
     calls: list[int] = []

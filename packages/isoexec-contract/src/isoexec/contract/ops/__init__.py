@@ -78,18 +78,21 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
     "attention": (
         "isoexec.attention.kvtile",
-        2,
+        3,
         {
             "kv_tile": attention.DEFAULT_KV_TILE,
             "block_rows": attention.DEFAULT_BLOCK_ROWS,
-            "gemm": "fixed-shape-onednn-fp32",
+            "gemm": "fixed-shape-bmm-fp32",
             "softmax": "fp32-exact-rowmax",
             "cache": "bs-hkv-d",
         },
         (
             attention._attend_fwd,
+            attention._row_range,
             attention._varlen_fwd,
             attention._padded_keys,
+            attention._zero_tail,
+            attention._tiles_from_blocks,
             attention.attention_varlen,
             attention.attention_paged,
             attention.gather_paged_kv,

@@ -10,9 +10,11 @@ shape that does not depend on the call:
   one zero-padded). Keys are cut into chunks of `kv_tile` from position 0 (the last one
   zero-padded).
 - Scores: for each (row block, key chunk) one `[block_rows, D] x [D, kv_tile]` GEMM — the
-  same fixed-shape GEMM whatever the number of queries or keys (on CPU the oneDNN fp32 GEMM
-  that `ops.linear` uses; its row bits do not depend on where the row sits in the block or
-  on the other rows, measured). Then `* scale`, keys after the query masked to -inf.
+  same fixed-shape GEMM whatever the number of queries or keys. All of a call's GEMMs run as
+  the items of one `torch.bmm` (fp32; on CPU the BLAS batch GEMM): an item's row bits do not
+  depend on where the row sits in the block, on the other rows, on the other items of the
+  batch or on the thread count (measured, `test_gemm_items_row_invariant`). Then `* scale`,
+  keys after the query masked to -inf.
 - Row max over all keys: exact (a max has no rounding), so it equals the max over the keys
   at positions <= p whatever is masked or padded after them.
 - p = exp(s - max) through the position-invariant `_pointwise.exp`; masked keys give p = 0.
@@ -23,18 +25,22 @@ shape that does not depend on the call:
 A chunk wholly after the query contributes exact zeros (p = 0, and x + 0 == x), and inside a
 chunk the masked keys multiply by p = 0 in a GEMM of the same shape; so chunks after the
 query may be computed or skipped, and a row block computes only the chunks its last query
-needs. The result depends only on the query, the keys/values at positions <= p, and p:
+needs (a decode step, one block per request, computes every tile of the step and reads them
+as views). The result depends only on the query, the keys/values at positions <= p, and p:
 prefill, decode, chunked prefill and paged reads all give the same bits, for any number of
 queries, co-batched sequences or threads.
+
+Execution: everything between the GEMMs is per row, so a call handles all its sequences in
+one batched pass (rows never share a block across sequences; zero-padded block slots exist
+only inside the GEMMs, the softmax runs on real rows). The paged entry gathers the whole
+step's keys with one block copy. On CUDA the torch backend is untested for invariance (the
+batched GEMM's kernel choice may depend on the batch); use the Triton backend there.
 
 Backward (trainer) recomputes the softmax in plain fp32 torch per query chunk: correct, not
 bitwise (only forward logprobs must match).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 
 import torch
 
@@ -51,76 +57,27 @@ _MAX_SCORE_ELEMS = 1 << 22
 _MAX_PADDED_KEYS = 1 << 16
 
 
-def _onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
-
-
-def _thread_count_settable() -> bool:
-    """True unless a host replaced torch's own `set_num_threads` with a stub."""
-    return torch.set_num_threads is torch._C.set_num_threads
-
-
-@contextmanager
-def _one_thread(enabled: bool) -> Iterator[None]:
-    """Run the many small fixed-shape GEMMs on one thread (speed only: their bits are the
-    same for any thread count, see `test_gemm_shapes_row_invariant`). Each multi-threaded
-    oneDNN call opens an OpenMP region, and on a busy machine a region whose second thread is
-    descheduled waits milliseconds for a ~50 us GEMM.
-
-    Not where the thread count is pinned: vLLM's CPU worker binds its OpenMP threads to cores
-    and replaces `torch.set_num_threads` with a function that only logs a warning (two per
-    call here: thousands per generate, a sixth of a decode step), so it is left alone there.
-    """
-    if not enabled or torch.get_num_threads() == 1 or not _thread_count_settable():
-        yield
-        return
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
-def _gemm_fn(dev: torch.device) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """`x @ w.T` for the fixed-shape blocks: oneDNN's fp32 GEMM on CPU (see module doc)."""
-    if dev.type == "cpu" and _onednn_available():
-        lp = torch.ops.mkldnn._linear_pointwise
-
-        def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return lp(x, w, None, "none", [None], "")
-
-        return gemm
-
-    def mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return torch.mm(x, w.t())
-
-    return mm
-
-
 def _attend_fwd(
     q: torch.Tensor,
     q_pos: torch.Tensor,
     q_seg: torch.Tensor,
-    k_pad: torch.Tensor,
-    v_pad: torch.Tensor,
+    kf: torch.Tensor,
+    vf: torch.Tensor,
     scale: float,
     kv_tile: int,
     block_rows: int,
 ) -> torch.Tensor:
     """Several sequences at once, no autograd. q [T, H, D]: query t belongs to sequence
-    q_seg[t] (non-decreasing) at absolute position q_pos[t]; k_pad, v_pad [S, Lkp, Hkv, D]:
-    sequence s's keys/values at positions 0.. (Lkp a multiple of kv_tile, zeros past each
-    sequence's own keys). Returns fp32 [T, H, Dv].
+    q_seg[t] (non-decreasing) at absolute position q_pos[t]; kf, vf fp32 [S, Hkv, Lkp, D],
+    contiguous: sequence s's keys/values at positions 0.. (Lkp a multiple of kv_tile, zeros
+    past each sequence's own keys). Returns fp32 [T, H, Dv].
 
     Only the fixed-shape GEMMs are issued one by one (per row block x KV head x key chunk);
     everything between them is per row, so it runs batched over all sequences — the bits of a
     row are those it gets alone (rows never share a block across sequences).
     """
     t, h, d = q.shape
-    ns, lkp, hkv, dv = v_pad.shape
+    ns, hkv, lkp, dv = vf.shape
     g = h // hkv
     c, r = kv_tile, block_rows
     dev = q.device
@@ -138,48 +95,82 @@ def _attend_fwd(
     qb = torch.zeros(nb * r, hkv, d, device=dev)
     qb[dest] = qv
     qb = qb.view(nb, r, hkv, d).permute(0, 2, 1, 3).contiguous()  # [NB, Hkv, R, D]
-    rpos = torch.zeros(nb * r, dtype=torch.long, device=dev)  # padded rows: position 0
-    rpos[dest] = q_pos.long().repeat_interleave(g)
-    rpos = rpos.view(nb, r)
-    bchunks = (rpos.amax(-1) // c + 1).tolist()
-    bseg = torch.repeat_interleave(torch.arange(ns, device=dev), nblocks).tolist()
-    # keys [S, Hkv, Lkp, D] (a chunk is a contiguous GEMM "weight"); values [S, Hkv, C, Dv, c]
-    kf = k_pad.float().permute(0, 2, 1, 3).contiguous()
-    vf = v_pad.float().reshape(ns, nch, c, hkv, dv).permute(0, 3, 1, 4, 2).contiguous()
-    gemm = _gemm_fn(dev)
-    one_thread = dev.type == "cpu"
-    out = torch.empty(nb, hkv, r, dv, dtype=torch.float32, device=dev)
-    kidx = torch.arange(lkp, device=dev)
+    # Row k of the result is slot dest[k] of the blocks (dest ascends): padding slots exist
+    # only inside the GEMMs, the per-row softmax runs on the real rows alone.
+    row_of = torch.full((nb * r,), -1, dtype=torch.long, device=dev)
+    row_of[dest] = torch.arange(t * g, device=dev)
+    rpos = q_pos.long().repeat_interleave(g)  # [T*g]
+    bmax = torch.zeros(nb * r, dtype=torch.long, device=dev)
+    bmax[dest] = rpos
+    bchunks = bmax.view(nb, r).amax(-1) // c + 1  # key chunks each row block needs
+    bch = bchunks.tolist()
+    bseg = torch.repeat_interleave(torch.arange(ns, device=dev), nblocks)
+    out = torch.empty(t * g, hkv, dv, dtype=torch.float32, device=dev)
+    qflat, kflat, vflat = qb.view(-1, r, d), kf.view(-1, c, d), vf.view(-1, c, dv)
+    heads = torch.arange(hkv, device=dev)
+    one_block_each = bool((nblocks == 1).all())  # block b is sequence b's only block
+    kidx = torch.arange(lkp, device=dev).view(nch, c)
+    slots = torch.arange(r, device=dev)
     sb = max(1, _MAX_SCORE_ELEMS // (hkv * r * lkp))  # row blocks held at once
     for b0 in range(0, nb, sb):
         b1 = min(nb, b0 + sb)
-        ncs = max(bchunks[b0:b1])
-        s = torch.full((b1 - b0, hkv, r, ncs * c), float("-inf"), device=dev)
-        with _one_thread(one_thread):
-            for b in range(b0, b1):
-                ks = kf[bseg[b]]
-                for hh in range(hkv):
-                    xb, sbh, kh = qb[b, hh], s[b - b0, hh], ks[hh]
-                    for j in range(bchunks[b]):
-                        sbh[:, j * c : (j + 1) * c] = gemm(xb, kh[j * c : (j + 1) * c])
-        s = s * scale
-        s = s.masked_fill(kidx[: ncs * c] > rpos[b0:b1, None, :, None], float("-inf"))
-        p = pw.exp(s - s.amax(-1, keepdim=True))
-        csum = p.reshape(b1 - b0, hkv, r, ncs, c).sum(-1)
-        l_ = csum[..., 0].clone()
+        nbg, ncs = b1 - b0, max(bch[b0:b1])
+        k0, k1 = _row_range(row_of, b0 * r, b1 * r)
+        # the GEMM items (block, head, chunk), chunk < the block's need; one bmm each phase
+        if one_block_each and nbg == nb:
+            # one row block per sequence (decode): every key tile, in tile order, so the
+            # GEMM operands are views; chunks past a row's position add exact zeros
+            ncs = nch
+            ib, ih, ij = (
+                x.reshape(-1)
+                for x in torch.meshgrid(
+                    torch.arange(nb, device=dev),
+                    heads,
+                    torch.arange(nch, device=dev),
+                    indexing="ij",
+                )
+            )
+            kt, vt = kflat, vflat
+        else:
+            need = torch.arange(ncs, device=dev)[None, None, :] < bchunks[b0:b1, None, None]
+            ib, ih, ij = need.expand(nbg, hkv, ncs).nonzero(as_tuple=True)
+            ki = (bseg[b0 + ib] * hkv + ih) * nch + ij  # item's key/value tile
+            kt, vt = kflat.index_select(0, ki), vflat.index_select(0, ki)
+        qi = (b0 + ib) * hkv + ih  # item's query tile in qflat
+        rows = row_of[(b0 + ib)[:, None] * r + slots] - k0  # [N, R]: result row or < 0
+        real = (rows >= 0).view(-1)
+        # score row (result row, head, chunk) of each real (item, slot): whole-row copies
+        si = ((rows * hkv + ih[:, None]) * ncs + ij[:, None]).view(-1)[real]
+        sc = torch.bmm(qflat.index_select(0, qi), kt.transpose(1, 2))
+        s = torch.full(((k1 - k0) * hkv * ncs, c), float("-inf"), device=dev)
+        s.index_copy_(0, si, sc.view(-1, c)[real])
+        s = s.view(k1 - k0, hkv, ncs, c) * scale
+        s = s.masked_fill(kidx[:ncs] > rpos[k0:k1, None, None, None], float("-inf"))
+        p = pw.exp(s - s.amax(dim=(2, 3), keepdim=True))  # exact row max over all keys
+        csum = p.sum(-1)  # [rows, Hkv, ncs]: fixed-width contiguous sums per chunk
+        l_ = csum[:, :, 0].clone()
         for j in range(1, ncs):
-            l_ += csum[..., j]
-        acc = torch.zeros(b1 - b0, hkv, r, dv, device=dev)
-        with _one_thread(one_thread):
-            for b in range(b0, b1):
-                vs = vf[bseg[b]]
-                for hh in range(hkv):
-                    pbh, abh, vh = p[b - b0, hh], acc[b - b0, hh], vs[hh]
-                    for j in range(bchunks[b]):
-                        abh += gemm(pbh[:, j * c : (j + 1) * c].contiguous(), vh[j])
-        out[b0:b1] = acc / l_[..., None]
-    rows = out.permute(0, 2, 1, 3).reshape(nb * r, hkv, dv)[dest]
-    return rows.reshape(t, g, hkv, dv).permute(0, 2, 1, 3).reshape(t, h, dv)
+            l_ += csum[:, :, j]
+        pb = torch.zeros(qi.shape[0] * r, c, device=dev)
+        pb[real] = p.view(-1, c).index_select(0, si)
+        pvi = torch.bmm(pb.view(-1, r, c), vt)  # [N, R, Dv]
+        pv = torch.zeros((k1 - k0) * hkv * ncs, dv, device=dev)
+        pv.index_copy_(0, si, pvi.view(-1, dv)[real])
+        pv = pv.view(k1 - k0, hkv, ncs, dv)
+        acc = torch.zeros(k1 - k0, hkv, dv, device=dev)
+        for j in range(ncs):  # chunk order; a chunk a block does not need adds exact zeros
+            acc += pv[:, :, j]
+        out[k0:k1] = acc / l_[..., None]
+    return out.reshape(t, g, hkv, dv).permute(0, 2, 1, 3).reshape(t, h, dv)
+
+
+def _row_range(row_of: torch.Tensor, f0: int, f1: int) -> tuple[int, int]:
+    """Result rows [k0, k1) held by block slots [f0, f1) (rows ascend with slots)."""
+    real = row_of[f0:f1]
+    real = real[real >= 0]
+    if real.numel() == 0:
+        return 0, 0
+    return int(real[0]), int(real[-1]) + 1
 
 
 def _attend_bwd(
@@ -237,14 +228,15 @@ def _memory_groups(lens: list[int], kv_tile: int) -> list[tuple[int, int]]:
 def _padded_keys(
     x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_tile: int
 ) -> torch.Tensor:
-    """[S, Lkp, Hkv, D] from packed x [T, Hkv, D]: sequence s is rows starts[s]..+lens[s],
-    zero past its length (a zero key/value adds exact zeros, see module doc)."""
+    """fp32 [S, Hkv, Lkp, D] from packed x [T, Hkv, D] (one gather): sequence s is rows
+    starts[s]..+lens[s], zero past its length (a zero key/value adds exact zeros)."""
     lkp = max(1, -(-int(lens.max()) // kv_tile)) * kv_tile
     p = torch.arange(lkp, device=x.device)
     pad = p[None, :] >= lens[:, None]
     idx = (starts[:, None] + p[None, :]).masked_fill(pad, 0).clamp(max=max(0, x.shape[0] - 1))
-    out = x[idx]
-    out[pad] = 0
+    heads = torch.arange(x.shape[1], device=x.device)
+    out = x[idx[:, None, :], heads[None, :, None]].float()
+    _zero_tail(out, lens)
     return out
 
 
@@ -337,6 +329,26 @@ def gather_paged_kv(
     return blocks.reshape(nb * bs, *cache.shape[2:])[:seq_len]
 
 
+def _tiles_from_blocks(
+    cache: torch.Tensor, blk: torch.Tensor, ns: int, lkp: int, lens: torch.Tensor
+) -> torch.Tensor:
+    """fp32 [S, Hkv, Lkp, D] from whole cache blocks `blk` [S * blocks] (block copies, then
+    one transposing copy), zero past each sequence's length."""
+    hkv, d = cache.shape[2:]
+    x = cache.index_select(0, blk).view(ns, -1, hkv, d)[:, :lkp]
+    x = x.permute(0, 2, 1, 3).float().contiguous()
+    _zero_tail(x, lens)
+    return x
+
+
+def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> None:
+    """x [S, Hkv, Lkp, D]: zero positions >= lens[s] (only the span some sequence pads)."""
+    lo = int(lens.min())
+    if lo < x.shape[2]:
+        p = torch.arange(lo, x.shape[2], device=x.device)
+        x[:, :, lo:].masked_fill_((p[None, :] >= lens[:, None])[:, None, :, None], 0.0)
+
+
 def attention_paged(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -373,13 +385,12 @@ def attention_paged(
             continue
         glens = lens[s0:s1]
         lkp = max(1, -(-int(glens.max()) // kv_tile)) * kv_tile
-        p = torch.arange(lkp, device=dev)
-        pad = p[None, :] >= glens[:, None]
-        blk = block_table[s0:s1, (p // bs).clamp(max=ncols - 1)].long().masked_fill(pad, 0)
-        off = (p % bs).expand_as(blk)
-        kk, vv = k_cache[blk, off], v_cache[blk, off]  # [S, Lkp, Hkv, D]
-        kk[pad] = 0
-        vv[pad] = 0
+        nbk = lkp // bs if lkp % bs == 0 else lkp // bs + 1
+        cols = torch.arange(nbk, device=dev).clamp(max=ncols - 1)
+        blk = block_table[s0:s1, cols].long()
+        blk = blk.masked_fill(cols[None, :] * bs >= glens[:, None], 0).reshape(-1)
+        kk = _tiles_from_blocks(k_cache, blk, s1 - s0, lkp, glens)
+        vv = _tiles_from_blocks(v_cache, blk, s1 - s0, lkp, glens)
         rows = _attend_fwd(
             q[t0:t1], q_pos[t0:t1], q_seg[t0:t1] - s0, kk, vv, scale, kv_tile, block_rows
         )
