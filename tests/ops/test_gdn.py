@@ -175,3 +175,28 @@ def test_backward_matches_float64():
         lambda x, w: F.silu(F.conv1d(x.T[None], w[:, None], padding=W - 1, groups=C)[..., :7])[0].T,
         (x, w),
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sequence_batched_decode_equals_each_alone(dtype):
+    """An engine's decode step runs its one-token requests as one batch through
+    `gdn_sequence`; every request must get the bits it gets alone (state and output)."""
+    from isoexec.contract.ops import gdn_sequence
+
+    g = torch.Generator().manual_seed(21)
+    hk, hv, kd, vd, w, bsz = 2, 4, 16, 8, 4, 5
+    c = 2 * hk * kd + hv * vd
+    conv_w = torch.randn(c, w, generator=g).to(dtype)
+    a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
+    x = torch.randn(bsz, 1, c, generator=g).to(dtype)
+    a, b = (torch.randn(bsz, 1, hv, generator=g).to(dtype) for _ in range(2))
+    conv_state = torch.randn(bsz, w - 1, c, generator=g).to(dtype)
+    state = torch.randn(bsz, hv, kd, vd, generator=g)
+    kw = {"A_log": a_log, "dt_bias": dt_bias, "heads": (hk, hv, kd, vd)}
+    o, new_conv, new_state = gdn_sequence(x, conv_w, a, b, conv_state=conv_state, state=state, **kw)
+    for i in range(bsz):
+        oi, ci, si = gdn_sequence(
+            x[i], conv_w, a[i], b[i], conv_state=conv_state[i], state=state[i], **kw
+        )
+        assert torch.equal(o[i], oi) and torch.equal(new_conv[i], ci), i
+        assert torch.equal(new_state[i], si), i

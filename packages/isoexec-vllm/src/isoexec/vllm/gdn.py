@@ -21,6 +21,7 @@ model code; `IsoQwen3NextAttention` does the same with the position-invariant si
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -90,6 +91,14 @@ class GDNStateCache:
         self.conv[slot] = conv.to(self.conv.dtype)
         self.ssm[slot] = state.transpose(-1, -2)
 
+    def read_many(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`read` for several slots at once: [B, W-1, C], [B, HV, K, V]."""
+        return self.conv[slots], self.ssm[slots].transpose(-1, -2)
+
+    def write_many(self, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
+        self.conv[slots] = conv.to(self.conv.dtype)
+        self.ssm[slots] = state.transpose(-1, -2)
+
 
 # ---- the GDN layer ---------------------------------------------------------------------------
 class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
@@ -154,7 +163,8 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _canonical_core(
         self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor
     ) -> None:
-        """Conv + recurrence per request, continuing from (and updating) its stored state."""
+        """Conv + recurrence per request, continuing from (and updating) its stored state.
+        The one-token requests that continue a state (a decode step) run as one batch."""
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # profiling / warm-up run
             return
@@ -174,17 +184,34 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             has_init = [bool(h) for h in md.has_initial_state.tolist()[:n_req]]
         conv_w = self.conv1d.weight.view(self.conv1d.weight.shape[0], -1)  # [C, W]
         hk, hv = self.num_k_heads // self.tp_size, self.num_v_heads // self.tp_size
-        kd, vd = self.head_k_dim, self.head_v_dim
-        for r in range(n_req):
+        run = functools.partial(
+            ops.gdn_sequence,
+            conv_weight=conv_w,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            heads=(hk, hv, self.head_k_dim, self.head_v_dim),
+            conv=self.ops.gdn_conv,
+            recurrence=self.ops.gdn_recurrence,
+        )
+        steps = [r for r in range(n_req) if starts[r + 1] - starts[r] == 1 and has_init[r]]
+        if steps:
+            rows = torch.tensor([starts[r] for r in steps], device=core.device)
+            where = torch.tensor([slots[r] for r in steps], device=core.device)
+            conv_state, state = cache.read_many(where)
+            o, new_conv, new_state = run(
+                mixed_qkv[rows, None], a=a[rows, None], b=b[rows, None],
+                conv_state=conv_state, state=state,
+            )  # fmt: skip
+            core[rows] = o[:, 0].to(core.dtype)
+            cache.write_many(where, new_conv, new_state)
+        for r in sorted(set(range(n_req)) - set(steps)):
             s, e = starts[r], starts[r + 1]
             if e == s:
                 continue
             conv_state, state = cache.read(slots[r]) if has_init[r] else (None, None)
-            o, new_conv, new_state = ops.gdn_sequence(
-                mixed_qkv[s:e], conv_w, a[s:e], b[s:e], self.A_log, self.dt_bias,
-                heads=(hk, hv, kd, vd), conv_state=conv_state, state=state,
-                conv=self.ops.gdn_conv, recurrence=self.ops.gdn_recurrence,
-            )  # fmt: skip
+            o, new_conv, new_state = run(
+                mixed_qkv[s:e], a=a[s:e], b=b[s:e], conv_state=conv_state, state=state
+            )
             core[s:e] = o.to(core.dtype)
             cache.write(slots[r], new_conv, new_state)
 

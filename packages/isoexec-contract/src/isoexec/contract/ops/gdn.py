@@ -119,21 +119,24 @@ def gdn_sequence(
     recurrence: Callable[..., tuple[torch.Tensor, torch.Tensor]] = gdn_recurrence,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One sequence through a GDN core, as both sides run it: `conv` over [q | k | v] channels,
-    split into heads (`heads` = (HK, HV, K, V)), `recurrence`. mixed_qkv [T, C], a, b [T, HV].
+    split into heads (`heads` = (HK, HV, K, V)), `recurrence`. mixed_qkv [B?, T, C], a, b
+    [B?, T, HV]; with a leading batch dim B, sequences of equal length (an engine's decode
+    step) run at once, each with the bits it gets alone (every op is per sequence and row).
 
-    Returns (o [T, HV, V], new conv state, new recurrent state). `conv` / `recurrence` are the
-    backend's kernels (the torch ones by default); the composition itself is pure reshuffles.
+    Returns (o [B?, T, HV, V], new conv state, new recurrent state). `conv` / `recurrence` are
+    the backend's kernels (the torch ones by default); the composition itself is pure
+    reshuffles.
     """
     hk, hv, kd, vd = heads
-    n = mixed_qkv.shape[0]
+    lead, n = mixed_qkv.shape[:-2], mixed_qkv.shape[-2]
     y, new_conv = conv(mixed_qkv, conv_weight, conv_state)
     q, k, v = y.split([hk * kd, hk * kd, hv * vd], dim=-1)
     o, new_state = recurrence(
-        q.reshape(n, hk, kd),
-        k.reshape(n, hk, kd),
-        v.reshape(n, hv, vd),
-        a.reshape(n, hv),
-        b.reshape(n, hv),
+        q.reshape(*lead, n, hk, kd),
+        k.reshape(*lead, n, hk, kd),
+        v.reshape(*lead, n, hv, vd),
+        a.reshape(*lead, n, hv),
+        b.reshape(*lead, n, hv),
         A_log,
         dt_bias,
         state,
