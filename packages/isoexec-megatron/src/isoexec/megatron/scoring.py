@@ -251,8 +251,33 @@ def train_step(
             loss = -lp.sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
+    sum_qk_norm_grads_over_tp(model)
     optimizer.step()
     return loss_sum
+
+
+def sum_qk_norm_grads_over_tp(model: torch.nn.Module) -> None:
+    """Sum the q/k norm weight gradients over the TP group (no-op at TP=1).
+
+    Why: the q/k norm weights [head_dim] are replicated, but each TP rank applies them to its
+    own heads only, so after backward each rank holds a partial gradient. Megatron leaves this
+    reduction to its training loop (`finalize_model_grads`, which sums every parameter named
+    `q_layernorm`/`k_layernorm` over TP); `train_step` has no such loop and does it here. A
+    training loop that calls Megatron's `finalize_model_grads` must not call this too. (The
+    GDN output norm, also shared by heads, reduces its gradient in autograd instead:
+    `canonical_gdn.IsoGatedRMSNorm`, which `finalize_model_grads` does not know.)
+    """
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps.get_tensor_model_parallel_world_size() == 1:
+        return
+    grads = [
+        p.grad
+        for name, p in model.named_parameters()
+        if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name)
+    ]
+    for g in grads:
+        torch.distributed.all_reduce(g, group=ps.get_tensor_model_parallel_group())
 
 
 __all__ = [
@@ -261,6 +286,7 @@ __all__ = [
     "packed_logprobs",
     "policy_logprobs",
     "score",
+    "sum_qk_norm_grads_over_tp",
     "token_logprobs",
     "train_step",
 ]
