@@ -36,11 +36,12 @@ from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_modules import (
     CanonicalSiteError,
-    _require_tp1,
     site_impl,
     site_ops,
 )
 from isoexec.megatron.hf_config import GDN_LAYOUTS
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
@@ -76,19 +77,35 @@ def packed_bounds(
 
 class IsoGatedRMSNorm(torch.nn.Module):
     """GDN output norm slot: `ops.gated_rms_norm(x, z, w)` = norm(x)·w·silu(z), fp32, one
-    rounding (vLLM's `RMSNormGated` under IsoExec). Plain gamma (not zero-centred)."""
+    rounding (vLLM's `RMSNormGated` under IsoExec). Plain gamma (not zero-centred).
+
+    The weight [V] is shared by every value head. At TP>1 it is replicated while each rank
+    normalises only its own heads, so each rank's weight gradient is partial: the weight enters
+    the TP region (`copy_to_tensor_model_parallel_region`: identity forward, gradient summed
+    over `tp_group`), so the gradient is whole on every rank whatever optimizer runs next.
+    """
 
     isoexec_impl: ImplInfo
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-6,
+        tp_group: Any = None,
+    ) -> None:
         super().__init__()
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.tp_group = tp_group
         self.ops = site_ops(config)
         self.isoexec_impl = site_impl(config, "gated_rms_norm")
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return self.ops.gated_rms_norm(x, z, self.weight, self.eps)
+        w = self.weight
+        if self.tp_group is not None and self.tp_group.size() > 1:
+            w = copy_to_tensor_model_parallel_region(w, group=self.tp_group)
+        return self.ops.gated_rms_norm(x, z, w, self.eps)
 
 
 @dataclass
@@ -115,6 +132,18 @@ class IsoGatedDeltaNet(MegatronModule):
     `A_log` is fp32 whatever the model dtype, as vLLM holds it (`QwenGatedDeltaNetAttention`
     creates it fp32): a bf16 model loaded from an fp32 checkpoint must not round it, or the
     decay differs from the engine's. It is marked `isoexec_keep_fp32`.
+
+    Tensor parallelism: a rank holds the contiguous key-head groups `[rank·HK/tp, ..)` and
+    their value heads `[rank·HV/tp, ..)`. Heads never mix before out_proj (the conv is
+    depthwise, the recurrence runs per value head with its key head, the gated norm per head,
+    and `ops.linear` gives each output column from its own weight row), so the rank's heads
+    carry the TP=1 bits; out_proj is row-parallel over those value heads and must be the
+    `linear_tp` leaves (`isoexec_tp_leaves`). Local layouts are the full ones restricted to the
+    rank's heads: interleaved projections are per group, so a contiguous row slice; the flat
+    ones ([q | k | v | z], [b | a]) and the conv channels ([q | k | v]) are block layouts, a
+    slice of every block, which the parameters declare as `isoexec_tp_blocks` (full block
+    sizes) for `tp_layout`. `dt_bias`, `A_log` (per value head) are contiguous slices; the
+    norm weight (per head dim) is replicated.
     """
 
     isoexec_impls: dict[str, ImplInfo]
@@ -129,7 +158,6 @@ class IsoGatedDeltaNet(MegatronModule):
         qkvz_layout: str = "interleaved",
     ) -> None:
         super().__init__(config=config)
-        _require_tp1(type(self).__name__, config)
         self.ops = site_ops(config)
         self.isoexec_impls = {
             "gdn_conv": site_impl(config, "gdn_conv"),
@@ -150,14 +178,30 @@ class IsoGatedDeltaNet(MegatronModule):
             raise CanonicalSiteError("canonical GDN does not support: " + ", ".join(problems))
         self.layer_number = layer_number
         self.qkvz_layout = qkvz_layout
-        self.hk, self.hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
+        tp_group = getattr(pg_collection, "tp", None)
+        if tp_group is None:
+            from megatron.core import parallel_state as ps
+
+            tp_group = ps.get_tensor_model_parallel_group()
+        tp = int(tp_group.size())
+        hk, hv = int(config.linear_num_key_heads), int(config.linear_num_value_heads)
         self.kd, self.vd = int(config.linear_key_head_dim), int(config.linear_value_head_dim)
         self.kernel = int(config.linear_conv_kernel_dim)
-        if self.hv % self.hk:
-            raise CanonicalSiteError(f"{self.hv} value heads not a multiple of {self.hk} key heads")
-        key_dim, value_dim = self.hk * self.kd, self.hv * self.vd
-        self.conv_dim = 2 * key_dim + value_dim
-        tp_group = getattr(pg_collection, "tp", None)
+        if hv % hk:
+            raise CanonicalSiteError(f"{hv} value heads not a multiple of {hk} key heads")
+        if hk % tp:
+            raise CanonicalSiteError(
+                f"TP={tp} does not divide the {hk} GDN key heads (a rank holds whole key-head "
+                "groups with their value heads)"
+            )
+        if tp > 1 and getattr(config, "isoexec_tp_leaves", None) is None:
+            raise CanonicalSiteError(
+                f"GDN at TP={tp}: out_proj is row-parallel; build with tp_invariant=True"
+            )
+        # Heads of this rank (all of them at TP=1); the full sizes for the linears' builders.
+        self.hk, self.hv = hk // tp, hv // tp
+        key_dim, value_dim = hk * self.kd, hv * self.vd
+        self.conv_dim = (2 * key_dim + value_dim) // tp
         linear_kw: dict[str, Any] = dict(
             config=config, bias=False, is_expert=False, tp_group=tp_group
         )
@@ -174,7 +218,7 @@ class IsoGatedDeltaNet(MegatronModule):
         self.in_proj_ba = build_module(
             submodules.in_proj_ba,
             config.hidden_size,
-            2 * self.hv,
+            2 * hv,
             init_method=config.init_method,
             gather_output=False,
             skip_bias_add=False,
@@ -188,6 +232,15 @@ class IsoGatedDeltaNet(MegatronModule):
         self.dt_bias = torch.nn.Parameter(torch.ones(self.hv, dtype=dtype))
         self.A_log = torch.nn.Parameter(torch.empty(self.hv, dtype=torch.float32))
         self.A_log.isoexec_keep_fp32 = True  # type: ignore[attr-defined]
+        for p in (self.conv1d_weight, self.dt_bias, self.A_log):
+            set_tensor_model_parallel_attributes(p, is_parallel=True, dim=0, stride=1)
+        # Block layouts (full sizes): each rank holds its heads' slice of every block.
+        blocks = [(self.conv1d_weight, (key_dim, key_dim, value_dim))]
+        if qkvz_layout == "flat":
+            blocks.append((self.in_proj_qkvz.weight, (key_dim, key_dim, value_dim, value_dim)))
+            blocks.append((self.in_proj_ba.weight, (hv, hv)))
+        for p, sizes in blocks:
+            p.isoexec_tp_blocks = sizes  # type: ignore[attr-defined]
         if config.perform_initialization:  # HF's init; real runs load weights over it
             with torch.no_grad():
                 bound = self.kernel**-0.5
@@ -197,7 +250,11 @@ class IsoGatedDeltaNet(MegatronModule):
             torch.nn.init.zeros_(self.conv1d_weight)
             torch.nn.init.zeros_(self.A_log)
         self.norm = build_module(
-            submodules.norm, config=config, hidden_size=self.vd, eps=config.layernorm_epsilon
+            submodules.norm,
+            config=config,
+            hidden_size=self.vd,
+            eps=config.layernorm_epsilon,
+            tp_group=tp_group,
         )
         self.out_proj = build_module(
             submodules.out_proj,

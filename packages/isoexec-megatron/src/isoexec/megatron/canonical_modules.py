@@ -31,6 +31,7 @@ Qwen3-Next's GDN layer, gated norm and gated attention are in `canonical_gdn`.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -80,14 +81,6 @@ class IsoTransformerConfig(TransformerConfig):
     isoexec_backend: str = "torch"
 
 
-def _require_tp1(what: str, config: TransformerConfig) -> None:
-    if config.tensor_model_parallel_size != 1:
-        raise CanonicalSiteError(
-            f"{what}: this canonical module is TP=1 only; "
-            f"got TP={config.tensor_model_parallel_size}"
-        )
-
-
 def site_backend(config: TransformerConfig) -> str:
     """The backend this model's sites run (IsoTransformerConfig.isoexec_backend)."""
     backend = getattr(config, "isoexec_backend", ops.BACKEND)
@@ -107,6 +100,11 @@ def site_impl(config: TransformerConfig, op: str, **params: object) -> ImplInfo:
 
 
 def _tp_size(module: torch.nn.Module) -> int:
+    """The module's own TP degree: its group's size (a whole shared expert's linears sit in a
+    size-1 group inside a TP=2 model), else the config's."""
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return int(group.size())
     return int(module.config.tensor_model_parallel_size)  # type: ignore[union-attr]
 
 
@@ -538,7 +536,41 @@ class IsoSequentialMLP(SequentialMLP):
 class IsoSharedExpertMLP(SharedExpertMLP):
     """Shared-expert slot: Megatron's parameters (fc1 = cat(gate, up), fc2, `gate_weight`
     [1, H]), computed inside `ops.moe_combine` by `IsoMoELayer` (the engine adds the shared
-    expert inside the same fixed-order fp32 combine); its own forward is never canonical."""
+    expert inside the same fixed-order fp32 combine); its own forward is never canonical.
+
+    Whole and replicated on every TP rank, like the routed experts at expert TP = 1: its
+    linears are built in the expert-TP group (size 1) instead of Megatron's TP group, and their
+    `tensor_model_parallel` marks are cleared (the weights load, export and count in grad
+    norms as replicated). Gradients need no TP reduction: every rank computes the whole MoE
+    layer from the same full input and the same full output gradient.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        submodules: Any,
+        gate: bool,
+        pg_collection: Any = None,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        if pg_collection is None:
+            from megatron.core.process_groups_config import ProcessGroupCollection
+
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups()
+        whole = copy.copy(pg_collection)
+        expt_tp = getattr(pg_collection, "expt_tp", None)
+        whole.tp = expt_tp if expt_tp is not None else ps.get_expert_tensor_parallel_group()
+        if whole.tp.size() != 1:
+            raise CanonicalSiteError(
+                f"expert tensor parallelism {whole.tp.size()}: the shared expert must be whole "
+                "on every TP rank (megatron_parallel() sets expert_tensor_parallel_size=1)"
+            )
+        super().__init__(config, submodules, gate, pg_collection=whole)
+        for linear in (self.linear_fc1, self.linear_fc2):
+            for p in linear.parameters():
+                p.tensor_model_parallel = False  # type: ignore[attr-defined]
+                p.partition_dim = -1  # type: ignore[attr-defined]
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         raise CanonicalSiteError("the shared expert runs inside ops.moe_combine (IsoMoELayer)")
@@ -567,10 +599,11 @@ class IsoMoELayer(MoELayer):
             )
         if self.use_shared_expert and self.shared_expert_overlap:
             raise CanonicalSiteError("overlapped shared experts are not canonical")
-        if self.use_shared_expert and _tp_size(self) > 1:
-            raise CanonicalSiteError(
-                "a shared expert at TP>1 is TP-sharded by Megatron; ops.moe_combine needs it whole"
-            )
+        shared = self.shared_experts
+        if self.use_shared_expert and (
+            _tp_size(shared.linear_fc1) != 1 or _tp_size(shared.linear_fc2) != 1
+        ):
+            raise CanonicalSiteError("a TP-sharded shared expert: ops.moe_combine needs it whole")
         for name, mod in (("router", self.router), ("experts", self.experts)):
             if not hasattr(mod, "isoexec_impl"):
                 raise CanonicalSiteError(f"IsoMoELayer needs a canonical {name}, got {mod!r}")

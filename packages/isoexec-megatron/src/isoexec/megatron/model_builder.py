@@ -275,6 +275,12 @@ def _check_tp(arch: ModelArch, tp: int) -> None:
             raise ValueError(f"tp={tp} does not divide {what}={n}")
     if arch.moe is not None and arch.moe.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide moe_intermediate_size")
+    if arch.gdn is not None and arch.gdn.num_key_heads % tp:
+        # A rank holds whole key-head groups with their value heads (canonical_gdn).
+        raise ValueError(
+            f"tp={tp} does not divide linear_num_key_heads={arch.gdn.num_key_heads} "
+            "(GDN layers shard by key-head group)"
+        )
 
 
 # ------------------------------------------------------------------------------------------
@@ -528,6 +534,8 @@ def build_model(
     `linear_tp` (K in `DEFAULT_TP_LEAVES` fixed leaves, fixed tree): logprobs are then bitwise
     the same at TP=1, 2, 4, 8 — but they are a different contract from the default
     `linear` (an engine must run `linear_tp` at those sites too). isoexec with TP>1 needs it.
+    GDN hybrids at TP>1: isoexec only (their GDN layers shard by key-head group, the shared
+    expert stays whole on every rank); native GDN layers are TP=1 only.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
@@ -553,11 +561,12 @@ def build_model(
             "TP-invariant; pass options=IsoExecOptions(tp_invariant=True) (bitwise equal to "
             "tp=1 with the same options)"
         )
-    if tp != 1 and arch.gdn is not None:
+    if tp != 1 and arch.gdn is not None and not isoexec:
         raise NotImplementedError(
-            f"build_model(isoexec={isoexec}, tp={tp}) for {arch.architecture}: GDN layers are "
-            "TP=1 only (the canonical layer's heads/conv channels are not sharded yet; the "
-            "per-rank layout of Megatron GatedDeltaNet's fused in_proj/conv1d is not mapped)"
+            f"build_model(isoexec=False, tp={tp}) for {arch.architecture}: native (stock "
+            "Megatron GatedDeltaNet) GDN layers are TP=1 only (the per-rank layout of its fused "
+            "in_proj/conv1d is not mapped for weight load/export); isoexec=True with "
+            "IsoExecOptions(tp_invariant=True) runs GDN hybrids at TP>1"
         )
     if not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims

@@ -5,11 +5,16 @@ keeps its slice, and export gathers the slices back. Both directions are pure co
 HF round trip stays bit-exact at any TP. Megatron marks sharded parameters itself
 (`tensor_model_parallel`, `partition_dim`), and its layouts are chosen so that a contiguous
 slice is a rank's shard — QKV rows are grouped per query group, the vocab is split in
-contiguous ranges — with one exception: a gated fc1 holds `[gate_r; up_r]` per rank, not a
-contiguous slice of `[gate; up]`.
+contiguous ranges — with exceptions where the full tensor is several blocks side by side and a
+rank holds its slice of *each* block:
+- a gated fc1 holds `[gate_r; up_r]` per rank, not a contiguous slice of `[gate; up]`;
+- a parameter that declares `isoexec_tp_blocks` (full block sizes along its partition dim):
+  the canonical GDN layer's conv channels [q | k | v] and, in the flat (Qwen3.5) layout, its
+  projections [q | k | v | z] and [b | a] (`canonical_gdn`).
 
 Experts are whole on every rank (`megatron_parallel()` sets expert TP = 1), so their
-parameters are replicated here.
+parameters are replicated here; so is a shared expert (`IsoSharedExpertMLP` clears its
+`tensor_model_parallel` marks).
 """
 
 from __future__ import annotations
@@ -22,12 +27,13 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """How one parameter is split: `size` ranks along `dim`; `glu`: halves split separately."""
+    """How one parameter is split: `size` ranks along `dim`. `blocks`: the full sizes of the
+    consecutive blocks along `dim`, each split `size` ways separately (empty: one block)."""
 
     size: int
     rank: int
     dim: int
-    glu: bool
+    blocks: tuple[int, ...] = ()
     group: object = None
 
 
@@ -45,11 +51,18 @@ def shard_spec(name: str, param: torch.nn.Parameter) -> ShardSpec | None:
     size = ps.get_tensor_model_parallel_world_size()
     if size == 1:
         return None
+    dim = int(param.partition_dim)  # type: ignore[attr-defined]
+    blocks: tuple[int, ...] = tuple(getattr(param, "isoexec_tp_blocks", ()))
+    if not blocks and name.endswith("linear_fc1.weight"):  # [gate; up]
+        half = param.shape[dim] * size // 2
+        blocks = (half, half)
+    if blocks and sum(blocks) != param.shape[dim] * size:
+        raise ValueError(f"{name}: blocks {blocks} do not add up to {param.shape[dim]} x {size}")
     return ShardSpec(
         size=size,
         rank=ps.get_tensor_model_parallel_rank(),
-        dim=int(param.partition_dim),  # type: ignore[attr-defined]
-        glu=name.endswith("linear_fc1.weight"),
+        dim=dim,
+        blocks=blocks,
         group=ps.get_tensor_model_parallel_group(),
     )
 
@@ -58,18 +71,16 @@ def local_shard(full: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
     """This rank's slice of a full-layout tensor."""
     if spec is None:
         return full
-    if full.shape[spec.dim] % (spec.size * (2 if spec.glu else 1)):
-        raise ValueError(f"dim {spec.dim} of {tuple(full.shape)} does not split {spec.size} ways")
-    if spec.glu:
-        gate, up = full.chunk(2, dim=spec.dim)
-        return torch.cat(
-            [
-                gate.chunk(spec.size, dim=spec.dim)[spec.rank],
-                up.chunk(spec.size, dim=spec.dim)[spec.rank],
-            ],
-            dim=spec.dim,
+    blocks = spec.blocks or (full.shape[spec.dim],)
+    if sum(blocks) != full.shape[spec.dim] or any(b % spec.size for b in blocks):
+        raise ValueError(
+            f"dim {spec.dim} of {tuple(full.shape)} (blocks {blocks}) does not split "
+            f"{spec.size} ways"
         )
-    return full.chunk(spec.size, dim=spec.dim)[spec.rank]
+    parts = [
+        b.chunk(spec.size, dim=spec.dim)[spec.rank] for b in full.split(list(blocks), spec.dim)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=spec.dim)
 
 
 def gather_full(local: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
@@ -78,10 +89,14 @@ def gather_full(local: torch.Tensor, spec: ShardSpec | None) -> torch.Tensor:
         return local
     parts = [torch.empty_like(local) for _ in range(spec.size)]
     dist.all_gather(parts, local.contiguous(), group=spec.group)  # type: ignore[arg-type]
-    if spec.glu:
-        halves = [p.chunk(2, dim=spec.dim) for p in parts]
-        return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=spec.dim)
-    return torch.cat(parts, dim=spec.dim)
+    if not spec.blocks:
+        return torch.cat(parts, dim=spec.dim)
+    local_sizes = [b // spec.size for b in spec.blocks]
+    per_rank = [p.split(local_sizes, dim=spec.dim) for p in parts]
+    return torch.cat(
+        [r[i] for i in range(len(local_sizes)) for r in per_rank],
+        dim=spec.dim,
+    )
 
 
 __all__ = ["ShardSpec", "gather_full", "local_shard", "shard_spec"]
