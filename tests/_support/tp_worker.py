@@ -2,9 +2,10 @@
 
 For every job in the JSON job file: build the model at the job's TP inside
 `megatron_parallel(tp)`, load the HF checkpoint, score the sequences, optionally export the
-weights and run one training step, and (rank 0) save what it got. TP=1 jobs run in the same
-world (then every rank is a data-parallel replica), so one launch gives both sides of the
-comparison. The process group is created once here and outlives the per-job parallel states.
+weights and run one training step (`export_after_step`: export the trained weights too), and
+(rank 0) save what it got; `plain_gdn_out_proj` swaps in a negative control. TP=1 jobs run in
+the same world (then every rank is a data-parallel replica), so one launch gives both sides of
+the comparison. The process group is created once here and outlives the per-job parallel states.
 """
 
 from __future__ import annotations
@@ -17,6 +18,27 @@ import torch
 import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
+
+
+def plain_gdn_out_proj(model: torch.nn.Module) -> None:
+    """Negative control: every GDN layer's out_proj as a stock row-parallel linear would run it,
+    the plain `ops.linear` on this rank's K-shard, the rounded partials all-reduced (at TP=1,
+    the plain linear on the whole K). Every other site keeps what it was built with."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    from isoexec.contract import ops
+
+    for name, mod in model.named_modules():
+        if not name.endswith("self_attention.out_proj"):
+            continue
+
+        def forward(x: torch.Tensor, mod: torch.nn.Module = mod) -> tuple[torch.Tensor, None]:
+            y = ops.linear(x, mod.weight)
+            if mod.tp_group.size() > 1:
+                y = reduce_from_tensor_model_parallel_region(y, group=mod.tp_group)
+            return y, None
+
+        mod.forward = forward
 
 
 def run_job(job: dict, seqs: list[list[int]]) -> dict:
@@ -37,6 +59,8 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             options=IsoExecOptions.from_mapping(job.get("options")),
         )
         load_hf_weights(model, job["model"])
+        if job.get("plain_gdn_out_proj"):
+            plain_gdn_out_proj(model)
         seqs = job.get("seqs", seqs)
         out["logprobs"] = score(model, seqs, job.get("temperature", 1.0))
         if job.get("round_trip"):
@@ -49,6 +73,8 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             out["loss"] = train_step(model, opt, seqs)
             out["logprobs_after_step"] = score(model, seqs)
+            if job.get("export_after_step"):  # HF layout: comparable with a TP=1 step
+                out["weights_after_step"] = dict(export_hf_weights(model))
         if job.get("contract"):
             from isoexec.megatron.contract_readback import trainer_contract
 
