@@ -6,6 +6,8 @@ other site is TP-invariant as it is, so both sides record the same contract ("in
 every site) and the handshake says MATCH although the TP degrees differ. The trainer scores
 exactly what the engine sampled. Negative control: the engine without the option records the
 plain `linear` at o_proj/down_proj, and the handshake refuses the TP=2 trainer there.
+Qwen3-Next (GDN hybrid, MoE with a shared expert) runs the same pairing: GDN heads split by
+key-head group on the trainer, `out_proj` a `linear_tp` site on both sides.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 CHUNK = 64
 TEMPS = [1.0, 0.7, 1.0, 0.7]
-DTYPES = ("float32", "bfloat16")
+CASES = (("tiny-dense", "float32"), ("tiny-dense", "bfloat16"), ("tiny-gdn", "float32"))
 TP_INVARIANT = IsoExecOptions(tp_invariant=True)
 
 
@@ -44,41 +46,43 @@ def tp_run(
     engine_pool: Callable[..., Any],
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """Sample on each dtype's engine, then score everything in one TP=2 torchrun launch."""
-    sampled: dict[str, list[Any]] = {}
+    """Sample on each case's engine, then score everything in one TP=2 torchrun launch."""
+    sampled: dict[tuple[str, str], list[Any]] = {}
     jobs: list[dict[str, Any]] = []
-    for dtype in DTYPES:
-        model = model_factory("tiny-dense", dtype)
+    for preset, dtype in CASES:
+        model = model_factory(preset, dtype)
         engine = _engine(engine_pool, model, dtype, TP_INVARIANT)
         engine.call("reset_prefix_cache")
         prompts = make_prompts(len(TEMPS), 512, seed=11)
         specs = [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
-        sampled[dtype] = engine.generate(prompts, specs)
+        sampled[preset, dtype] = engine.generate(prompts, specs)
         jobs += scoring_jobs(
-            sampled[dtype], TEMPS, model=model, dtype=dtype, tp=2, isoexec=True,
+            sampled[preset, dtype], TEMPS, model=model, dtype=dtype, tp=2, isoexec=True,
             options=TP_INVARIANT.to_dict(), contract=True,
         )  # fmt: skip
     results = run_tp_jobs(jobs, [])
     return {"sampled": sampled, "jobs": jobs, "results": results}
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("preset", "dtype"), CASES)
 def test_tp2_trainer_equals_tp1_engine_bitwise(
+    preset: str,
     dtype: str,
     tp_run: dict[str, Any],
     model_factory: Callable[[str, str], str],
     engine_pool: Callable[..., Any],
 ) -> None:
-    engine = _engine(engine_pool, model_factory("tiny-dense", dtype), dtype, TP_INVARIANT)
+    model = model_factory(preset, dtype)
+    engine = _engine(engine_pool, model, dtype, TP_INVARIANT)
     mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
-            if j["dtype"] == dtype]  # fmt: skip
+            if j["dtype"] == dtype and j["model"] == model]  # fmt: skip
     contract = Contract.from_bytes(mine[0][1]["contract"])
     assert {s.tp for s in contract.sites} == {"invariant"}
-    trainer_verdict, engine_verdict = handshake(contract, engine, run_id=f"tp2-{dtype}")
+    trainer_verdict, engine_verdict = handshake(contract, engine, run_id=f"tp2-{preset}-{dtype}")
     assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
 
     jobs, results = [j for j, _ in mine], [r for _, r in mine]
-    t, e = aligned_logprobs(tp_run["sampled"][dtype], TEMPS, jobs, results)
+    t, e = aligned_logprobs(tp_run["sampled"][preset, dtype], TEMPS, jobs, results)
     assert t.numel() == 6 * len(TEMPS)
     assert torch.equal(t, e), (t - e).abs().max()
 
