@@ -200,3 +200,37 @@ def test_sequence_batched_decode_equals_each_alone(dtype):
         )
         assert torch.equal(o[i], oi) and torch.equal(new_conv[i], ci), i
         assert torch.equal(new_state[i], si), i
+
+
+def test_recurrence_under_autograd_is_checkpointed_same_bits_and_grads(monkeypatch):
+    """Training keeps only segment-start states (memory), with the forward bits and the
+    gradients of autograd through the whole token loop."""
+    import isoexec.contract.ops.gdn as gdn_mod
+
+    g = torch.Generator().manual_seed(22)
+    t, hk, hv, kd, vd = 150, 2, 4, 16, 8
+    ins = [
+        torch.randn(t, hk, kd, generator=g),
+        torch.randn(t, hk, kd, generator=g),
+        torch.randn(t, hv, vd, generator=g),
+        torch.randn(t, hv, generator=g),
+        torch.randn(t, hv, generator=g),
+    ]
+    a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
+    state = torch.randn(hv, kd, vd, generator=g)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+        xs = [x.clone().requires_grad_() for x in ins]
+        o, s = gdn_recurrence(*xs, a_log, dt_bias, state)
+        (o.square().sum() + s.sum()).backward()
+        return o.detach(), s.detach(), [x.grad for x in xs]
+
+    with torch.no_grad():
+        ref_o, ref_s = gdn_recurrence(*ins, a_log, dt_bias, state)
+    o, s, grads = run()  # checkpointed (t > GRAD_SEGMENT)
+    assert torch.equal(o, ref_o) and torch.equal(s, ref_s)
+    monkeypatch.setattr(gdn_mod, "GRAD_SEGMENT", 10**9)  # autograd through the whole loop
+    o2, s2, grads2 = run()
+    assert torch.equal(o2, ref_o) and torch.equal(s2, ref_s)
+    for a, b in zip(grads, grads2, strict=True):
+        assert torch.equal(a, b)

@@ -132,7 +132,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
         "isoexec.gdn_recurrence.token_serial",
         1,
         {"state": "fp32", "l2_eps": gdn.L2_EPS},
-        (gdn._l2norm, gdn.gdn_recurrence),
+        (gdn._l2norm, gdn._recurrence_steps, gdn.gdn_recurrence),
     ),
 }
 

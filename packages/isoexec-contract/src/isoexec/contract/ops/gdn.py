@@ -12,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from . import _pointwise as pw
 
 L2_EPS = 1e-6
+# Tokens per checkpointed segment of the recurrence under autograd (memory only, no bits).
+GRAD_SEGMENT = 64
 
 
 def gdn_conv(
@@ -49,6 +52,29 @@ def gdn_conv(
 
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     return x * pw.rsqrt((x * x).sum(-1, keepdim=True) + L2_EPS)
+
+
+def _recurrence_steps(
+    st: torch.Tensor,
+    kf: torch.Tensor,
+    qf: torch.Tensor,
+    vf: torch.Tensor,
+    decay: torch.Tensor,
+    beta: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The token loop of `gdn_recurrence` over kf/qf/vf [B, T, HV, *], decay/beta [B, T, HV]
+    from state st [B, HV, V, K]: (final state, outputs [B, T, HV, V] fp32)."""
+    outs = []
+    for i in range(kf.shape[1]):
+        kt = kf[:, i, :, None, :]  # [B, HV, 1, K]
+        st = st * decay[:, i, :, None, None]
+        kv_mem = (st * kt).sum(-1)  # [B, HV, V]
+        delta = (vf[:, i] - kv_mem) * beta[:, i, :, None]
+        st = st + delta[..., None] * kt
+        outs.append((st * qf[:, i, :, None, :]).sum(-1))
+    if not outs:
+        return st, vf.new_empty(vf.shape[0], 0, *vf.shape[2:])
+    return st, torch.stack(outs, dim=1)
 
 
 def gdn_recurrence(
@@ -89,15 +115,23 @@ def gdn_recurrence(
         st = torch.zeros(bsz, hv, dv, dk, device=q.device)
     else:
         st = state.float().transpose(-1, -2).contiguous()  # [B, HV, V, K]
-    outs = []
-    for i in range(t):
-        kt = kf[:, i, :, None, :]  # [B, HV, 1, K]
-        st = st * decay[:, i, :, None, None]
-        kv_mem = (st * kt).sum(-1)  # [B, HV, V]
-        delta = (vf[:, i] - kv_mem) * beta[:, i, :, None]
-        st = st + delta[..., None] * kt
-        outs.append((st * qf[:, i, :, None, :]).sum(-1))
-    o = torch.stack(outs, dim=1).to(v.dtype) if outs else v.new_empty(bsz, 0, hv, dv)
+    if torch.is_grad_enabled() and t > GRAD_SEGMENT:
+        # Autograd through the token loop keeps ~5 states per token (T x HV x K x V floats:
+        # tens of GB per sequence at training sizes). Checkpoint segments instead: only the
+        # state at each segment start is kept; backward recomputes one segment at a time,
+        # the same ops in the same order (forward bits and gradients unchanged).
+        outs = []
+        for i0 in range(0, t, GRAD_SEGMENT):
+            seg = slice(i0, min(t, i0 + GRAD_SEGMENT))
+            st, o_seg = checkpoint(
+                _recurrence_steps, st, kf[:, seg], qf[:, seg], vf[:, seg], decay[:, seg],
+                beta[:, seg], use_reentrant=False,
+            )  # fmt: skip
+            outs.append(o_seg)
+        o = torch.cat(outs, dim=1).to(v.dtype)
+    else:
+        st, o = _recurrence_steps(st, kf, qf, vf, decay, beta)
+        o = o.to(v.dtype)
     new_state = st.transpose(-1, -2).contiguous()
     if not batched:
         o, new_state = o[0], new_state[0]
