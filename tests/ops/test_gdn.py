@@ -178,9 +178,10 @@ def test_backward_matches_float64():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sequence_batched_decode_equals_each_alone(dtype):
-    """An engine's decode step runs its one-token requests as one batch through
-    `gdn_sequence`; every request must get the bits it gets alone (state and output)."""
+@pytest.mark.parametrize(("t", "with_state"), [(1, True), (6, True), (6, False)])
+def test_sequence_batched_equals_each_alone(dtype, t, with_state):
+    """An engine runs equal-length requests (a decode step, equal prompts) as one batch
+    through `gdn_sequence`; each must get the bits it gets alone (output and states)."""
     from isoexec.contract.ops import gdn_sequence
 
     g = torch.Generator().manual_seed(21)
@@ -188,16 +189,18 @@ def test_sequence_batched_decode_equals_each_alone(dtype):
     c = 2 * hk * kd + hv * vd
     conv_w = torch.randn(c, w, generator=g).to(dtype)
     a_log, dt_bias = torch.randn(hv, generator=g), torch.randn(hv, generator=g)
-    x = torch.randn(bsz, 1, c, generator=g).to(dtype)
-    a, b = (torch.randn(bsz, 1, hv, generator=g).to(dtype) for _ in range(2))
-    conv_state = torch.randn(bsz, w - 1, c, generator=g).to(dtype)
-    state = torch.randn(bsz, hv, kd, vd, generator=g)
+    x = torch.randn(bsz, t, c, generator=g).to(dtype)
+    a, b = (torch.randn(bsz, t, hv, generator=g).to(dtype) for _ in range(2))
+    conv_state = torch.randn(bsz, w - 1, c, generator=g).to(dtype) if with_state else None
+    state = torch.randn(bsz, hv, kd, vd, generator=g) if with_state else None
     kw = {"A_log": a_log, "dt_bias": dt_bias, "heads": (hk, hv, kd, vd)}
     o, new_conv, new_state = gdn_sequence(x, conv_w, a, b, conv_state=conv_state, state=state, **kw)
     for i in range(bsz):
         oi, ci, si = gdn_sequence(
-            x[i], conv_w, a[i], b[i], conv_state=conv_state[i], state=state[i], **kw
-        )
+            x[i], conv_w, a[i], b[i],
+            conv_state=None if conv_state is None else conv_state[i],
+            state=None if state is None else state[i], **kw,
+        )  # fmt: skip
         assert torch.equal(o[i], oi) and torch.equal(new_conv[i], ci), i
         assert torch.equal(new_state[i], si), i
 

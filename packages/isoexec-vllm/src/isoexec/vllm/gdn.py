@@ -83,19 +83,11 @@ class GDNStateCache:
             )
         self.ssm = ssm  # [slot, HV, V, K]
 
-    def read(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(conv state [W-1, C], recurrent state [HV, K, V] fp32) of one slot."""
-        return self.conv[slot], self.ssm[slot].transpose(-1, -2)
-
-    def write(self, slot: int, conv: torch.Tensor, state: torch.Tensor) -> None:
-        self.conv[slot] = conv.to(self.conv.dtype)
-        self.ssm[slot] = state.transpose(-1, -2)
-
-    def read_many(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`read` for several slots at once: [B, W-1, C], [B, HV, K, V]."""
+    def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv states [B, W-1, C], recurrent states [B, HV, K, V] fp32) of `slots`."""
         return self.conv[slots], self.ssm[slots].transpose(-1, -2)
 
-    def write_many(self, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
+    def write(self, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
         self.conv[slots] = conv.to(self.conv.dtype)
         self.ssm[slots] = state.transpose(-1, -2)
 
@@ -163,8 +155,7 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
     def _canonical_core(
         self, mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor
     ) -> None:
-        """Conv + recurrence per request, continuing from (and updating) its stored state.
-        The one-token requests that continue a state (a decode step) run as one batch."""
+        """Conv + recurrence per request, continuing from (and updating) its stored state."""
         metadata = get_forward_context().attn_metadata
         if metadata is None:  # profiling / warm-up run
             return
@@ -193,27 +184,23 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             conv=self.ops.gdn_conv,
             recurrence=self.ops.gdn_recurrence,
         )
-        steps = [r for r in range(n_req) if starts[r + 1] - starts[r] == 1 and has_init[r]]
-        if steps:
-            rows = torch.tensor([starts[r] for r in steps], device=core.device)
-            where = torch.tensor([slots[r] for r in steps], device=core.device)
-            conv_state, state = cache.read_many(where)
+        # requests of equal length that all continue a state (or all start fresh) run as one
+        # batch: a decode step is one call, and so are equal-length prompts
+        groups: dict[tuple[int, bool], list[int]] = {}
+        for r in range(n_req):
+            if starts[r + 1] > starts[r]:
+                groups.setdefault((starts[r + 1] - starts[r], has_init[r]), []).append(r)
+        for (n, init), reqs in groups.items():
+            dev = core.device
+            idx = torch.tensor([starts[r] for r in reqs], device=dev)[:, None]
+            idx = idx + torch.arange(n, device=dev)  # [G, n] token rows
+            where = torch.tensor([slots[r] for r in reqs], device=dev)
+            conv_state, state = cache.read(where) if init else (None, None)
             o, new_conv, new_state = run(
-                mixed_qkv[rows, None], a=a[rows, None], b=b[rows, None],
-                conv_state=conv_state, state=state,
-            )  # fmt: skip
-            core[rows] = o[:, 0].to(core.dtype)
-            cache.write_many(where, new_conv, new_state)
-        for r in sorted(set(range(n_req)) - set(steps)):
-            s, e = starts[r], starts[r + 1]
-            if e == s:
-                continue
-            conv_state, state = cache.read(slots[r]) if has_init[r] else (None, None)
-            o, new_conv, new_state = run(
-                mixed_qkv[s:e], a=a[s:e], b=b[s:e], conv_state=conv_state, state=state
+                mixed_qkv[idx], a=a[idx], b=b[idx], conv_state=conv_state, state=state
             )
-            core[s:e] = o.to(core.dtype)
-            cache.write(slots[r], new_conv, new_state)
+            core[idx] = o.to(core.dtype)
+            cache.write(where, new_conv, new_state)
 
 
 # ---- Qwen3-Next gated full attention ---------------------------------------------------------
