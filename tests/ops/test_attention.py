@@ -324,3 +324,29 @@ def test_attention_never_touches_the_thread_count(monkeypatch):
         monkeypatch.undo()
         real(old)
     assert calls == [] and torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_block_size_multiple_of_tile_same_bits(dtype):
+    """A cache whose blocks are whole tiles (vLLM-CPU's 128 = kv_tile) is read in place of its
+    block layout; it must give the bits of the generic gather (block size 8) and of packed
+    attention, for decode rows and a prefill chunk side by side."""
+    lens, qlens = [130, 5, 300, 129], [1, 1, 17, 1]
+    q, kc8, vc8, bt8, sl, qsl = _decode_step_inputs(lens, qlens, bs=8, seed=31)
+    q, kc8, vc8 = q.to(dtype), kc8.to(dtype), vc8.to(dtype)
+    ref = attention_paged(q, kc8, vc8, bt8, sl, qsl, scale=SCALE)
+    bs = 128  # the same keys/values, re-blocked: request r owns blocks 3r.. in order
+    kc = torch.full((3 * len(lens) + 1, bs, HKV, D), float("nan"), dtype=dtype)  # garbage
+    vc = torch.full_like(kc, float("nan"))
+    bt = torch.zeros(len(lens), 3, dtype=torch.int32)
+    for r, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots8 = bt8[r, pos // 8].long() * 8 + pos % 8
+        for j in range(-(-n // bs)):
+            bt[r, j] = 3 * r + j + 1
+        slots = bt[r, pos // bs].long() * bs + pos % bs
+        kc.view(-1, HKV, D)[slots] = kc8.view(-1, HKV, D)[slots8]
+        vc.view(-1, HKV, D)[slots] = vc8.view(-1, HKV, D)[slots8]
+    got = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
+    assert torch.equal(got, ref)
+    assert not got.isnan().any()

@@ -68,20 +68,25 @@ def _attend_fwd(
     block_rows: int,
 ) -> torch.Tensor:
     """Several sequences at once, no autograd. q [T, H, D]: query t belongs to sequence
-    q_seg[t] (non-decreasing) at absolute position q_pos[t]; kf, vf fp32 [S, Hkv, Lkp, D],
-    contiguous: sequence s's keys/values at positions 0.. (Lkp a multiple of kv_tile, zeros
-    past each sequence's own keys). Returns fp32 [T, H, Dv].
+    q_seg[t] (non-decreasing) at absolute position q_pos[t]; kf, vf fp32 key/value tiles
+    [S, A, Hkv, B, kv_tile, D], contiguous: key chunk j = a * B + b of sequence s (positions
+    j * kv_tile ..) for head h is kf[s, a, h, b] — A = 1 for packed keys, A = cache blocks
+    with B chunks each for a paged cache read in its block layout; values past a sequence's
+    own keys are zero. Returns fp32 [T, H, Dv].
 
     Only the fixed-shape GEMMs are issued one by one (per row block x KV head x key chunk);
     everything between them is per row, so it runs batched over all sequences — the bits of a
     row are those it gets alone (rows never share a block across sequences).
     """
     t, h, d = q.shape
-    ns, hkv, lkp, dv = vf.shape
+    ns, na, hkv, nbc, c, dv = vf.shape
     g = h // hkv
-    c, r = kv_tile, block_rows
+    r = block_rows
     dev = q.device
-    nch = lkp // c
+    nch = na * nbc
+    lkp = nch * c
+    if c != kv_tile or kf.shape[:5] != vf.shape[:5] or kf.shape[-1] != d:
+        raise ValueError(f"key tiles {tuple(kf.shape)} / {tuple(vf.shape)} for kv_tile={kv_tile}")
     # Rows of sequence s, in (query, member of the KV-head group) order, fill its own blocks.
     counts = torch.bincount(q_seg, minlength=ns)
     nblocks = (counts * g + r - 1) // r
@@ -121,20 +126,22 @@ def _attend_fwd(
             # one row block per sequence (decode): every key tile, in tile order, so the
             # GEMM operands are views; chunks past a row's position add exact zeros
             ncs = nch
-            ib, ih, ij = (
+            ib, ia, ih, ibc = (
                 x.reshape(-1)
                 for x in torch.meshgrid(
                     torch.arange(nb, device=dev),
+                    torch.arange(na, device=dev),
                     heads,
-                    torch.arange(nch, device=dev),
+                    torch.arange(nbc, device=dev),
                     indexing="ij",
                 )
             )
+            ij = ia * nbc + ibc
             kt, vt = kflat, vflat
         else:
             need = torch.arange(ncs, device=dev)[None, None, :] < bchunks[b0:b1, None, None]
             ib, ih, ij = need.expand(nbg, hkv, ncs).nonzero(as_tuple=True)
-            ki = (bseg[b0 + ib] * hkv + ih) * nch + ij  # item's key/value tile
+            ki = ((bseg[b0 + ib] * na + ij // nbc) * hkv + ih) * nbc + ij % nbc  # its tile
             kt, vt = kflat.index_select(0, ki), vflat.index_select(0, ki)
         qi = (b0 + ib) * hkv + ih  # item's query tile in qflat
         rows = row_of[(b0 + ib)[:, None] * r + slots] - k0  # [N, R]: result row or < 0
@@ -240,6 +247,12 @@ def _padded_keys(
     return out
 
 
+def _as_tiles(x: torch.Tensor, kv_tile: int) -> torch.Tensor:
+    """[S, Hkv, Lkp, D] -> the tile layout [S, 1, Hkv, Lkp / kv_tile, kv_tile, D] (a view)."""
+    ns, hkv, lkp, d = x.shape
+    return x.view(ns, 1, hkv, lkp // kv_tile, kv_tile, d)
+
+
 def _varlen_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -261,8 +274,8 @@ def _varlen_fwd(
         starts = torch.tensor(cu[s0:s1], device=dev) - t0
         q_seg = torch.repeat_interleave(torch.arange(s1 - s0, device=dev), glens)
         q_pos = torch.arange(t1 - t0, device=dev) - starts[q_seg]
-        kk = _padded_keys(k[t0:t1], starts, glens, kv_tile)
-        vv = _padded_keys(v[t0:t1], starts, glens, kv_tile)
+        kk = _as_tiles(_padded_keys(k[t0:t1], starts, glens, kv_tile), kv_tile)
+        vv = _as_tiles(_padded_keys(v[t0:t1], starts, glens, kv_tile), kv_tile)
         out[t0:t1] = _attend_fwd(q[t0:t1], q_pos, q_seg, kk, vv, scale, kv_tile, block_rows)
     return out
 
@@ -329,6 +342,30 @@ def gather_paged_kv(
     return blocks.reshape(nb * bs, *cache.shape[2:])[:seq_len]
 
 
+def _block_ids(table: torch.Tensor, nbk: int, bs: int, lens: torch.Tensor) -> torch.Tensor:
+    """Flat cache block ids [S * nbk] of each sequence's first `nbk` blocks; block 0 stands in
+    for blocks past a sequence's length (their keys are masked, their values zeroed)."""
+    cols = torch.arange(nbk, device=table.device)
+    blk = table[:, cols.clamp(max=table.shape[1] - 1)].long()
+    return blk.masked_fill(cols[None, :] * bs >= lens[:, None], 0).reshape(-1)
+
+
+def _tiles_in_blocks(cache: torch.Tensor, blk: torch.Tensor, ns: int, kv_tile: int) -> torch.Tensor:
+    """Tiles [S, blocks, Hkv, bs / kv_tile, kv_tile, D] (fp32) copied block by block from a
+    cache [num_blocks, bs, Hkv, D] whose block size is a multiple of the tile: each (block,
+    head) slab is already a run of whole tiles, so one gather and no transpose."""
+    _nb, bs, hkv, d = cache.shape
+    x = cache.permute(0, 2, 1, 3).index_select(0, blk).float()  # [S * blocks, Hkv, bs, D]
+    return x.view(ns, -1, hkv, bs // kv_tile, kv_tile, d)
+
+
+def _zero_tail_tiles(x: torch.Tensor, lens: torch.Tensor) -> None:
+    """Tiles [S, A, Hkv, B, c, D]: zero positions >= lens[s] (position (a * B + b) * c + i)."""
+    ns, na, _hkv, nbc, c, _d = x.shape
+    pos = torch.arange(na * nbc * c, device=x.device).view(1, na, 1, nbc, c, 1)
+    x.masked_fill_(pos >= lens.view(ns, 1, 1, 1, 1, 1), 0.0)
+
+
 def _tiles_from_blocks(
     cache: torch.Tensor, blk: torch.Tensor, ns: int, lkp: int, lens: torch.Tensor
 ) -> torch.Tensor:
@@ -377,7 +414,7 @@ def attention_paged(
     lens = seq_lens[:nreq].long()
     q_seg = torch.repeat_interleave(torch.arange(nreq, device=dev), qlens)
     q_pos = lens[q_seg] - qlens[q_seg] + (torch.arange(nq, device=dev) - qsl[:-1][q_seg])
-    bs, ncols = k_cache.shape[1], block_table.shape[1]
+    bs = k_cache.shape[1]
     qsl_l = qsl.tolist()
     for s0, s1 in _memory_groups(lens.tolist(), kv_tile):
         t0, t1 = qsl_l[s0], qsl_l[s1]
@@ -385,12 +422,17 @@ def attention_paged(
             continue
         glens = lens[s0:s1]
         lkp = max(1, -(-int(glens.max()) // kv_tile)) * kv_tile
-        nbk = lkp // bs if lkp % bs == 0 else lkp // bs + 1
-        cols = torch.arange(nbk, device=dev).clamp(max=ncols - 1)
-        blk = block_table[s0:s1, cols].long()
-        blk = blk.masked_fill(cols[None, :] * bs >= glens[:, None], 0).reshape(-1)
-        kk = _tiles_from_blocks(k_cache, blk, s1 - s0, lkp, glens)
-        vv = _tiles_from_blocks(v_cache, blk, s1 - s0, lkp, glens)
+        if bs % kv_tile == 0:  # whole cache blocks are whole tiles: one copy, no transpose
+            nbk = -(-int(glens.max()) // bs)
+            blk = _block_ids(block_table[s0:s1], nbk, bs, glens)
+            kk = _tiles_in_blocks(k_cache, blk, s1 - s0, kv_tile)
+            vv = _tiles_in_blocks(v_cache, blk, s1 - s0, kv_tile)
+            _zero_tail_tiles(vv, glens)
+        else:
+            nbk = -(-lkp // bs)
+            blk = _block_ids(block_table[s0:s1], nbk, bs, glens)
+            kk = _as_tiles(_tiles_from_blocks(k_cache, blk, s1 - s0, lkp, glens), kv_tile)
+            vv = _as_tiles(_tiles_from_blocks(v_cache, blk, s1 - s0, lkp, glens), kv_tile)
         rows = _attend_fwd(
             q[t0:t1], q_pos[t0:t1], q_seg[t0:t1] - s0, kk, vv, scale, kv_tile, block_rows
         )
