@@ -96,7 +96,6 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             attention._block_ids,
             attention._tiles_from_blocks,
             attention._tiles_in_blocks,
-            attention._zero_tail_tiles,
             attention.attention_varlen,
             attention.attention_paged,
             attention.gather_paged_kv,

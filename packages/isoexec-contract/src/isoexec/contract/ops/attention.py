@@ -235,14 +235,15 @@ def _memory_groups(lens: list[int], kv_tile: int) -> list[tuple[int, int]]:
 def _padded_keys(
     x: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, kv_tile: int
 ) -> torch.Tensor:
-    """fp32 [S, Hkv, Lkp, D] from packed x [T, Hkv, D] (one gather): sequence s is rows
-    starts[s]..+lens[s], zero past its length (a zero key/value adds exact zeros)."""
+    """fp32 tiles [S, 1, Hkv, Lkp / kv_tile, kv_tile, D] from packed x [T, Hkv, D] (one
+    gather): sequence s is rows starts[s]..+lens[s], zero past its length (a zero key/value
+    adds exact zeros)."""
     lkp = max(1, -(-int(lens.max()) // kv_tile)) * kv_tile
     p = torch.arange(lkp, device=x.device)
     pad = p[None, :] >= lens[:, None]
     idx = (starts[:, None] + p[None, :]).masked_fill(pad, 0).clamp(max=max(0, x.shape[0] - 1))
     heads = torch.arange(x.shape[1], device=x.device)
-    out = x[idx[:, None, :], heads[None, :, None]].float()
+    out = _as_tiles(x[idx[:, None, :], heads[None, :, None]].float(), kv_tile)
     _zero_tail(out, lens)
     return out
 
@@ -274,8 +275,8 @@ def _varlen_fwd(
         starts = torch.tensor(cu[s0:s1], device=dev) - t0
         q_seg = torch.repeat_interleave(torch.arange(s1 - s0, device=dev), glens)
         q_pos = torch.arange(t1 - t0, device=dev) - starts[q_seg]
-        kk = _as_tiles(_padded_keys(k[t0:t1], starts, glens, kv_tile), kv_tile)
-        vv = _as_tiles(_padded_keys(v[t0:t1], starts, glens, kv_tile), kv_tile)
+        kk = _padded_keys(k[t0:t1], starts, glens, kv_tile)
+        vv = _padded_keys(v[t0:t1], starts, glens, kv_tile)
         out[t0:t1] = _attend_fwd(q[t0:t1], q_pos, q_seg, kk, vv, scale, kv_tile, block_rows)
     return out
 
@@ -359,7 +360,7 @@ def _tiles_in_blocks(cache: torch.Tensor, blk: torch.Tensor, ns: int, kv_tile: i
     return x.view(ns, -1, hkv, bs // kv_tile, kv_tile, d)
 
 
-def _zero_tail_tiles(x: torch.Tensor, lens: torch.Tensor) -> None:
+def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> None:
     """Tiles [S, A, Hkv, B, c, D]: zero positions >= lens[s] (position (a * B + b) * c + i)."""
     ns, na, _hkv, nbc, c, _d = x.shape
     pos = torch.arange(na * nbc * c, device=x.device).view(1, na, 1, nbc, c, 1)
@@ -367,23 +368,16 @@ def _zero_tail_tiles(x: torch.Tensor, lens: torch.Tensor) -> None:
 
 
 def _tiles_from_blocks(
-    cache: torch.Tensor, blk: torch.Tensor, ns: int, lkp: int, lens: torch.Tensor
+    cache: torch.Tensor, blk: torch.Tensor, ns: int, lkp: int, lens: torch.Tensor, kv_tile: int
 ) -> torch.Tensor:
-    """fp32 [S, Hkv, Lkp, D] from whole cache blocks `blk` [S * blocks] (block copies, then
-    one transposing copy), zero past each sequence's length."""
+    """fp32 tiles [S, 1, Hkv, Lkp / kv_tile, kv_tile, D] from whole cache blocks `blk`
+    [S * blocks] of any block size (block copies, then one transposing copy), zero past each
+    sequence's length."""
     hkv, d = cache.shape[2:]
     x = cache.index_select(0, blk).view(ns, -1, hkv, d)[:, :lkp]
-    x = x.permute(0, 2, 1, 3).float().contiguous()
+    x = _as_tiles(x.permute(0, 2, 1, 3).float().contiguous(), kv_tile)
     _zero_tail(x, lens)
     return x
-
-
-def _zero_tail(x: torch.Tensor, lens: torch.Tensor) -> None:
-    """x [S, Hkv, Lkp, D]: zero positions >= lens[s] (only the span some sequence pads)."""
-    lo = int(lens.min())
-    if lo < x.shape[2]:
-        p = torch.arange(lo, x.shape[2], device=x.device)
-        x[:, :, lo:].masked_fill_((p[None, :] >= lens[:, None])[:, None, :, None], 0.0)
 
 
 def attention_paged(
@@ -427,12 +421,12 @@ def attention_paged(
             blk = _block_ids(block_table[s0:s1], nbk, bs, glens)
             kk = _tiles_in_blocks(k_cache, blk, s1 - s0, kv_tile)
             vv = _tiles_in_blocks(v_cache, blk, s1 - s0, kv_tile)
-            _zero_tail_tiles(vv, glens)
+            _zero_tail(vv, glens)
         else:
             nbk = -(-lkp // bs)
             blk = _block_ids(block_table[s0:s1], nbk, bs, glens)
-            kk = _as_tiles(_tiles_from_blocks(k_cache, blk, s1 - s0, lkp, glens), kv_tile)
-            vv = _as_tiles(_tiles_from_blocks(v_cache, blk, s1 - s0, lkp, glens), kv_tile)
+            kk = _tiles_from_blocks(k_cache, blk, s1 - s0, lkp, glens, kv_tile)
+            vv = _tiles_from_blocks(v_cache, blk, s1 - s0, lkp, glens, kv_tile)
         rows = _attend_fwd(
             q[t0:t1], q_pos[t0:t1], q_seg[t0:t1] - s0, kk, vv, scale, kv_tile, block_rows
         )
