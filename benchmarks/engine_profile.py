@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import PROMPT_LEN, SIZES, make_model
+from overhead import PROMPT_LEN, SIZES, kv_cache_bytes, make_model
 
 ARMS = ("isoexec", "native")
 
@@ -67,7 +67,7 @@ def run_arm(arm: str, model: str, dtype: str, prompts: int, tokens: int, out: st
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from isoexec.vllm.engine_process import EngineConfig, SamplingSpec, _Handler
 
-    kv = max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+    kv = kv_cache_bytes(prompts, tokens)
     handler = _Handler(
         EngineConfig(model=model, dtype=dtype, isoexec=arm == "isoexec", kv_cache_bytes=kv)
     )

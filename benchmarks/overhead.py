@@ -37,6 +37,12 @@ SIZES: dict[str, dict[str, int]] = {
 PROMPT_LEN = 32
 
 
+def kv_cache_bytes(prompts: int, tokens: int) -> int:
+    """KV for every sequence at once (the tests' small default would preempt at the medium
+    size): 64 KiB per token covers the models here."""
+    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+
+
 def make_model(
     out: Path, hidden: int, layers: int, vocab: int, family: str = "dense", dtype: str = "float32"
 ) -> Path:
@@ -81,8 +87,7 @@ def bench_engine(
     batch = [torch.randint(1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(prompts)]
     spec = SamplingSpec(max_tokens=tokens, temperature=1.0)
     times: dict[str, list[float]] = {"isoexec": [], "native": []}
-    # KV for every sequence at once (the small default would preempt at the medium size)
-    kv = max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+    kv = kv_cache_bytes(prompts, tokens)
     seqs: list[torch.Tensor] = []
     with (
         EngineProcess(
