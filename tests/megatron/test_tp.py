@@ -16,18 +16,30 @@ from typing import Any
 import pytest
 import torch
 
+# fp32 models whose row-parallel K is one BLAS block. Stock TP=2 sums two rounded partials
+# and TP=1 runs one GEMM; when the BLAS itself blocks K at the TP split and sums its two blocks'
+# partials, the stock arms agree by accident. The BLAS chooses its K blocks by size, and the
+# vendor decides: on AMD EPYC, MKL's path cut the presets' K=256 (and K=198, 200, 250) into two
+# equal halves, not K=72..144. Here K is 128 (o_proj: 2 heads x 64; down_proj: 128), each
+# rank's half 64: no BLAS splits so short a K, so TP=1 is one pass over K and the stock control
+# differs on any CPU. (bf16 differs anyway: each rank rounds its partial before the sum.)
+NARROW_K = {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 128}
+
 SEQS = [[3, 17, 250, 9, 44, 101, 7], [5, 5, 480, 2], [11, 300, 77, 61, 499, 23, 8, 90, 151, 4, 0]]
 
 
 @pytest.fixture(scope="module")
 def tp_results(
-    model_factory: Callable[[str, str], str], run_tp_jobs: Callable[..., list[dict[str, Any]]]
+    model_factory: Callable[[str, str], str],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, dict[str, Any]]:
-    dense32, dense16 = (
-        model_factory("tiny-dense", "float32"),
-        model_factory("tiny-dense", "bfloat16"),
-    )
-    moe32 = model_factory("tiny-moe", "float32")
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tp-models")
+    dense32 = str(make_tiny_model("tiny-dense", root / "dense32", overrides=NARROW_K))
+    dense16 = model_factory("tiny-dense", "bfloat16")
+    moe32 = str(make_tiny_model("tiny-moe", root / "moe32", overrides=NARROW_K))
     named: dict[str, dict[str, Any]] = {}
     for key, model, dtype in (("dense32", dense32, "float32"), ("dense16", dense16, "bfloat16"),
                               ("moe32", moe32, "float32")):  # fmt: skip

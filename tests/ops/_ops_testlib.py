@@ -7,23 +7,14 @@ row's bits every time, a negative control must not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 
 import torch
 
+from tests._support.threads import num_threads
+
 BATCH_SIZES = (1, 2, 7, 16, 64, 333)
 THREADS = (1, 2)
-
-
-@contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    old = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
 
 
 def row_results(
