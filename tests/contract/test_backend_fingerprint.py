@@ -9,6 +9,7 @@ from isoexec.contract.backend import cpu_isa, detect_backend
 from isoexec.contract.fingerprint import WeightFingerprint, WeightFingerprinter, tensor_digest
 
 X86 = """processor\t: 0
+vendor_id\t: GenuineIntel
 flags\t\t: fpu vme sse4_2 avx avx2 fma avx512f avx512_bf16 amx_tile md_clear ibrs
 processor\t: 1
 flags\t\t: fpu vme sse4_2 avx avx2 fma
@@ -18,8 +19,11 @@ ARM = "processor\t: 0\nFeatures\t: fp asimd evtstrm aes sve sve2 bf16 i8mm cpuid
 
 def test_cpu_isa_keeps_only_kernel_relevant_flags() -> None:
     assert (
-        cpu_isa(X86, machine="x86_64") == "x86_64:amx_tile,avx,avx2,avx512_bf16,avx512f,fma,sse4_2"
+        cpu_isa(X86, machine="x86_64")
+        == "x86_64:GenuineIntel:amx_tile,avx,avx2,avx512_bf16,avx512f,fma,sse4_2"
     )
+    amd = X86.replace("GenuineIntel", "AuthenticAMD")
+    assert cpu_isa(amd, machine="x86_64").startswith("x86_64:AuthenticAMD:amx_tile,")
     assert cpu_isa(ARM, machine="aarch64") == "aarch64:asimd,bf16,i8mm,sve,sve2"
     assert cpu_isa("", machine="riscv64") == "riscv64:baseline"
 

@@ -28,10 +28,13 @@ ISA_FLAGS: frozenset[str] = frozenset(
 
 
 def cpu_isa(cpuinfo: str | None = None, *, machine: str | None = None) -> str:
-    """`<machine>:<sorted ISA flags>` from /proc/cpuinfo (or the given text).
+    """`<machine>:[<vendor>:]<sorted ISA flags>` from /proc/cpuinfo (or the given text).
 
     Only the features kernels dispatch on are kept, so unrelated flags (e.g. a microcode
-    mitigation) do not make two equivalent machines differ.
+    mitigation) do not make two equivalent machines differ. The x86 vendor is kept too: the
+    BLAS libraries under torch choose kernels and blockings by vendor as well as by ISA
+    (measured: MKL's GEMMs on an AMD EPYC and an Intel Xeon with the same AVX-512 flags change
+    bits under different conditions), so an Intel side and an AMD side never MATCH.
     """
     if cpuinfo is None:
         try:
@@ -39,13 +42,18 @@ def cpu_isa(cpuinfo: str | None = None, *, machine: str | None = None) -> str:
         except OSError:
             cpuinfo = ""
     flags: set[str] = set()
+    vendor = ""
     for line in cpuinfo.splitlines():
         key, sep, value = line.partition(":")
-        if sep and key.strip() in ("flags", "Features"):
+        key = key.strip()
+        if sep and key == "vendor_id" and not vendor:
+            vendor = value.strip()
+        if sep and key in ("flags", "Features"):
             flags.update(value.split())
             break  # the first CPU speaks for all (heterogeneous cores share the ISA)
     kept = sorted(flags & ISA_FLAGS)
-    return f"{machine or platform.machine()}:{','.join(kept) or 'baseline'}"
+    head = f"{machine or platform.machine()}:{vendor + ':' if vendor else ''}"
+    return f"{head}{','.join(kept) or 'baseline'}"
 
 
 def detect_backend(
