@@ -200,17 +200,17 @@ class IsoRowParallelLinear(RowParallelLinear):
 
     def _leaf_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.tp_leaves is not None
-        tp = _tp_size(self)
-        parts = ops.tp_leaf_partials(x, self.weight, leaves=self.tp_leaves // tp)  # [G/tp, M, N]
-        if tp > 1:
-            # Gather along the last dim (Megatron's region: backward takes this rank's slice).
-            parts = gather_from_tensor_model_parallel_region(
-                parts.permute(1, 2, 0).contiguous(), group=self.tp_group
-            ).permute(2, 0, 1)
-        y = ops.tp_tree_sum(parts)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.weight.shape[0])
+        return ops.linear_tp_shard(
+            x, self.weight, bias, tp=_tp_size(self), all_gather=self._gather_leaves,
+            leaves=self.tp_leaves,
+        )  # fmt: skip
+
+    def _gather_leaves(self, parts: torch.Tensor) -> torch.Tensor:
+        """[G/tp, M, N] -> [G, M, N] in rank order, through Megatron's gather region along the
+        last dim (its backward takes this rank's slice, so gradients flow)."""
+        return gather_from_tensor_model_parallel_region(
+            parts.permute(1, 2, 0).contiguous(), group=self.tp_group
+        ).permute(2, 0, 1)
 
 
 def qkv_hf_row_order(

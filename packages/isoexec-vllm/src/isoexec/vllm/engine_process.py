@@ -50,6 +50,9 @@ class EngineConfig:
     extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
     # Which canonical variants run (isoexec only); reaches the workers as additional_config.
     options: IsoExecOptions = field(default_factory=IsoExecOptions)
+    # vLLM's own tensor parallelism: its multiprocess executor, one worker per rank (gloo on
+    # CPU), each bound to its share of this process's CPUs (`cpu_binding`).
+    tensor_parallel_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -173,11 +176,24 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
 
 
+def cpu_binding(tp: int) -> str:
+    """vLLM-CPU's `VLLM_CPU_OMP_THREADS_BIND` for `tp` workers: this process's CPUs cut into
+    `tp` contiguous groups, `|`-separated (vLLM-CPU at TP>1 does not start without it here)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < tp:
+        raise ValueError(f"tensor_parallel_size={tp} needs {tp} CPUs, this process has {cpus}")
+    per = len(cpus) // tp
+    groups = [cpus[i * per : (i + 1) * per] for i in range(tp)]
+    return "|".join(",".join(map(str, g)) for g in groups)
+
+
 def _serve(config: EngineConfig, conn: Connection) -> None:
     os.setsid()
     _die_with_parent()
     os.environ["ISOEXEC"] = "1" if config.isoexec else "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
+    if config.tensor_parallel_size > 1:
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cpu_binding(config.tensor_parallel_size))
     os.environ.update(dict(config.extra_env))
     try:
         handler = _Handler(config)
@@ -221,6 +237,9 @@ class _Handler:
             kwargs["additional_config"] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
         elif config.options != IsoExecOptions():
             raise ValueError("IsoExec options without isoexec=True would be silently unused")
+        if config.tensor_parallel_size > 1:
+            kwargs["tensor_parallel_size"] = config.tensor_parallel_size
+            kwargs["distributed_executor_backend"] = "mp"
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
             kwargs["enable_chunked_prefill"] = True

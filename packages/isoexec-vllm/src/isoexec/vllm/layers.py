@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
@@ -144,14 +145,43 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
 
 class CanonicalTPInvariantLinearMethod(CanonicalLinearMethod):
     """Row-parallel linear as the TP-invariant `linear_tp` (options.tp_invariant): K in fixed
-    leaves, fixed tree, one rounding — the bits a Megatron trainer at any TP | leaves gets."""
+    leaves, fixed tree, one rounding — the bits a Megatron trainer at any TP | leaves gets.
+
+    At TP>1 this rank computes its G/TP leaves, vLLM's all-gather collects all G in rank order
+    and every rank sums the same tree: the full output on every rank, so the layer must not
+    all-reduce it again (`_row_parallel_forward`)."""
 
     isoexec_op: ClassVar[str] = "linear_tp"
 
     def apply(
         self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor:
-        return self.ops.linear_tp_invariant(x, layer.weight, bias)
+        tp = int(getattr(layer, "tp_size", 1))
+        if tp == 1:
+            return self.ops.linear_tp_invariant(x, layer.weight, bias)
+        return self.ops.linear_tp_shard(x, layer.weight, bias, tp=tp, all_gather=_gather_leaves)
+
+
+def _gather_leaves(parts: torch.Tensor) -> torch.Tensor:
+    """[G/tp, M, N] on each rank -> [G, M, N] in rank order (vLLM's exact all-gather)."""
+    from vllm.distributed import tensor_model_parallel_all_gather
+
+    return tensor_model_parallel_all_gather(parts.contiguous(), dim=0)
+
+
+def _row_parallel_forward(self: Any, input_: torch.Tensor) -> Any:
+    """RowParallelLinear.forward for the TP-invariant method at TP>1: every rank adds the whole
+    bias after the tree (vLLM adds it on rank 0 before its all-reduce) and nothing is
+    all-reduced (the leaves were gathered). Otherwise vLLM's own forward."""
+    if self.tp_size == 1 or not isinstance(self.quant_method, CanonicalTPInvariantLinearMethod):
+        return RowParallelLinear.forward(self, input_)
+    x = input_
+    if not self.input_is_parallel:
+        x = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
+    out = self.quant_method.apply(self, x, None if self.skip_bias_add else self.bias)
+    if not self.return_bias:
+        return out
+    return out, (self.bias if self.skip_bias_add else None)
 
 
 class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
@@ -183,12 +213,59 @@ def _with_canonical_linear(base: type) -> type:
                 f"{base.__name__} {getattr(self, 'prefix', '')!r}: quantization "
                 f"{type(self.quant_method).__name__} has no canonical implementation"
             )
-        tp_invariant = engine_options().tp_invariant and isinstance(self, RowParallelLinear)
+        check_engine_layout()
+        row_parallel = isinstance(self, RowParallelLinear)
+        tp_invariant = engine_options().tp_invariant and row_parallel
+        if tp_invariant and self.tp_size > 1:
+            if not self.reduce_results:
+                raise UnsupportedSiteError(
+                    f"{base.__name__} {getattr(self, 'prefix', '')!r} at TP={self.tp_size}: "
+                    "reduce_results=False leaves the reduction to its caller, which would "
+                    "all-reduce the gathered leaves; no canonical TP-invariant form"
+                )
+            if engine_options().backend != ops.BACKEND:
+                raise UnsupportedSiteError("tp_invariant at TP>1 with the Triton backend")
         self.quant_method = (
             CanonicalTPInvariantLinearMethod() if tp_invariant else CanonicalLinearMethod()
         )
 
-    return type(f"Iso{base.__name__}", (base,), {"__init__": __init__})
+    attrs: dict[str, Any] = {"__init__": __init__}
+    if issubclass(base, RowParallelLinear):
+        attrs["forward"] = _row_parallel_forward
+    return type(f"Iso{base.__name__}", (base,), attrs)
+
+
+def check_engine_layout() -> None:
+    """Refuse, at model construction, the parallel layouts IsoExec has not made canonical.
+
+    Pipeline and data parallelism, expert parallelism and context parallelism are not wired or
+    tested on the engine: an engine running them could declare sites whose bits it does not
+    produce. Tensor parallelism is handled per site (row-parallel sites record their TP degree,
+    or run the `linear_tp` leaves with `tp_invariant`).
+    """
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    pc = getattr(cfg, "parallel_config", None)
+    if pc is None:
+        return
+    problems = [
+        f"{name}={size}"
+        for name, size in (
+            ("pipeline_parallel_size", pc.pipeline_parallel_size),
+            ("data_parallel_size", pc.data_parallel_size),
+            ("prefill_context_parallel_size", getattr(pc, "prefill_context_parallel_size", 1)),
+            ("decode_context_parallel_size", getattr(pc, "decode_context_parallel_size", 1)),
+        )
+        if size != 1
+    ]
+    if pc.enable_expert_parallel:
+        problems.append("enable_expert_parallel")
+    if problems:
+        raise UnsupportedSiteError(
+            "IsoExec engine: parallel layout not supported (refused rather than declared "
+            f"canonical): {', '.join(problems)}; supported: tensor_parallel_size only"
+        )
 
 
 def _with_canonical_lm_head(base: type) -> type:

@@ -50,8 +50,15 @@ class IsoWorkerExtension:
 
     def isoexec_contract(self) -> bytes:
         """This worker's contract (canonical bytes), read back from the live model."""
+        from vllm.distributed import get_tensor_model_parallel_world_size
+
         hf = self._isoexec_hf_config()
-        return contract_for(hf, self._isoexec_dtype(), self._isoexec_read_sites()).to_bytes()
+        sites = self._isoexec_read_sites()
+        # The TP degree this worker runs at: a site that does not claim TP invariance (a
+        # row-parallel site reduced by vLLM's all-reduce) records it, so it never MATCHes a
+        # peer at another degree.
+        tp = get_tensor_model_parallel_world_size()
+        return contract_for(hf, self._isoexec_dtype(), sites, tp_size=tp).to_bytes()
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(

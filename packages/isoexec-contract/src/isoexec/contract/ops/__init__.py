@@ -21,6 +21,7 @@ from .gdn import gdn_conv, gdn_recurrence, gdn_sequence
 from .gemm import (
     linear,
     linear_tp_invariant,
+    linear_tp_shard,
     tp_leaf_partials,
     tp_linear_from_shards,
     tp_tree_sum,
@@ -57,6 +58,8 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
         {"leaves": gemm.DEFAULT_TP_LEAVES, "block_rows": gemm.DEFAULT_BLOCK_ROWS},
         (
             gemm.tp_linear_from_shards,
+            gemm.linear_tp_shard,
+            gemm._tree_sum_round,
             gemm.tp_leaf_partials,
             gemm.tp_tree_sum,
             gemm._block_gemm,
@@ -226,6 +229,7 @@ __all__ = [
     "get_impl",
     "linear",
     "linear_tp_invariant",
+    "linear_tp_shard",
     "log_softmax",
     "moe_combine",
     "moe_experts",

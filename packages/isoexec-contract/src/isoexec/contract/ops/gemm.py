@@ -17,6 +17,7 @@ produce the same bits after an all-gather of leaves (never a NCCL/gloo all-reduc
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -215,14 +216,49 @@ def tp_linear_from_shards(
     tp = len(x_shards)
     if leaves % tp:
         raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
-    x0 = x_shards[0]
     parts = torch.cat(
         [
             tp_leaf_partials(xs, ws, leaves=leaves // tp, block_rows=block_rows)
             for xs, ws in zip(x_shards, weight_shards, strict=True)
         ]
     )
+    return _tree_sum_round(parts, bias, x_shards[0], weight_shards[0].shape[0])
+
+
+def linear_tp_shard(
+    x_shard: torch.Tensor,
+    weight_shard: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tp: int,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    leaves: int = DEFAULT_TP_LEAVES,
+    block_rows: int = DEFAULT_BLOCK_ROWS,
+) -> torch.Tensor:
+    """One TP rank's share of `linear_tp`, in a live TP group: the full output on every rank.
+
+    The rank computes the fp32 partials of its G/TP leaves; `all_gather` is the framework's
+    exact all-gather of that [G/tp, M, N] tensor along dim 0 in rank order (Megatron's or
+    vLLM's, the only part that differs between the sides); then the fixed tree and one rounding.
+    Equals `linear_tp_invariant` on the whole K, bit for bit, at every TP dividing G.
+    """
+    if tp < 1 or leaves % tp:
+        raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
+    parts = tp_leaf_partials(x_shard, weight_shard, leaves=leaves // tp, block_rows=block_rows)
+    if tp > 1:
+        if all_gather is None:
+            raise ValueError(f"linear_tp_shard at TP={tp} needs the group's all_gather")
+        parts = all_gather(parts)
+        if parts.shape[0] != leaves:
+            raise ValueError(f"all_gather returned {parts.shape[0]} leaves, expected {leaves}")
+    return _tree_sum_round(parts, bias, x_shard, weight_shard.shape[0])
+
+
+def _tree_sum_round(
+    parts: torch.Tensor, bias: torch.Tensor | None, x: torch.Tensor, n: int
+) -> torch.Tensor:
+    """All G leaves, in order -> fixed tree, bias in fp32, one rounding to the input dtype."""
     y = tp_tree_sum(parts)
     if bias is not None:
         y = y + bias.float()
-    return y.to(x0.dtype).reshape(*x0.shape[:-1], weight_shards[0].shape[0])
+    return y.to(x.dtype).reshape(*x.shape[:-1], n)
