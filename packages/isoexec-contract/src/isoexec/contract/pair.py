@@ -67,9 +67,13 @@ def run_arm(
     max_tokens: int,
     seed: int,
     locate_dir: Path | None = None,
+    engine_tp: int = 1,
 ) -> ArmResult:
+    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); the isoexec arm
+    then runs `tp_invariant` on both sides (the only canonical form across TP degrees)."""
     import torch
 
+    from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron import (
         build_model,
         load_hf_weights,
@@ -82,11 +86,13 @@ def run_arm(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     prompts = make_prompts(num_prompts, int(hf_config["vocab_size"]), seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
+    options = IsoExecOptions(tp_invariant=isoexec and engine_tp > 1)
     engine_cfg = EngineConfig(
-        model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128
-    )
+        model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
+        options=options, tensor_parallel_size=engine_tp,
+    )  # fmt: skip
     with EngineProcess(engine_cfg) as engine, megatron_parallel():
-        model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype)
+        model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
         load_hf_weights(model, model_dir)
         status = "n/a (stock arm)"
         if isoexec:
@@ -179,18 +185,21 @@ def handshake(
     server: Any = None,
     token: str | None = None,
 ) -> tuple[Any, dict[str, Any]]:
-    """Trainer rank 0 and the engine worker offer their contracts concurrently.
+    """Trainer rank 0 and every engine worker (one per engine TP rank) offer their contracts
+    concurrently; the service gives one verdict for the run.
 
     With `server`/`token` the caller's running service is used (it must stay up while weights
     are synced: workers ask it before loading); without, a temporary one is hosted here.
-    Returns (trainer verdict, engine worker verdict); neither raises on MISMATCH.
+    Returns (trainer verdict, engine verdict: the first worker's that is not MATCH, else
+    worker 0's); neither raises on MISMATCH.
     """
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.server import HandshakeServer
 
     if server is None:
         token = secrets.token_hex(16)
-        with HandshakeServer({"trainer": 1, "engine": 1}, token) as own:
+        workers = int(getattr(getattr(engine, "config", None), "tensor_parallel_size", 1))
+        with HandshakeServer({"trainer": 1, "engine": workers}, token) as own:
             return handshake(trainer_contract, engine, run_id, server=own, token=token)
     assert token is not None
     verdicts: dict[str, Any] = {}
@@ -203,9 +212,10 @@ def handshake(
     # offer ends with the service (or its rendezvous deadline), it is not waited for.
     t = threading.Thread(target=offer, daemon=True)
     t.start()
-    (engine_verdict,) = engine.call("handshake", server.address, token, run_id)
+    engine_verdicts = engine.call("handshake", server.address, token, run_id)
     t.join()
-    return verdicts["trainer"], engine_verdict
+    failed = [v for v in engine_verdicts if v["outcome"] != "MATCH"]
+    return verdicts["trainer"], (failed or engine_verdicts)[0]
 
 
 def format_table(model: str, dtype: str, results: list[ArmResult]) -> str:
@@ -234,6 +244,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/pair", help="where the model and results go")
     p.add_argument("--arms", default="isoexec,stock", help="comma list of isoexec,stock")
+    p.add_argument(
+        "--engine-tp",
+        type=int,
+        default=1,
+        help="the engine's tensor-parallel degree (vLLM's executor; the trainer stays TP=1); "
+        "above 1 the isoexec arm runs tp_invariant on both sides",
+    )
     p.add_argument(
         "--locate",
         action="store_true",
@@ -273,6 +290,7 @@ def run(args: argparse.Namespace) -> int:
             max_tokens=args.max_tokens,
             seed=args.seed,
             locate_dir=out / "locate" if args.locate else None,
+            engine_tp=args.engine_tp,
         )
         for arm in args.arms.split(",")
     ]

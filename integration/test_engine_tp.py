@@ -1,0 +1,146 @@
+"""Engine at TP=2 (vLLM's own multiprocess executor, gloo on CPU): a MATCH means bitwise.
+
+The fail-open this closes: an engine at TP=2 whose row-parallel sites ran the canonical linear
+on each rank's K-shard and vLLM's all-reduce of the rounded partials declared the TP=1 contract,
+MATCHed a TP=1 trainer and produced other bits. Now such a site records the TP degree it ran at
+("2"), so the handshake refuses it, naming the site. With `tp_invariant`, vLLM's row-parallel
+sites run `linear_tp` across the ranks (each rank's fixed K-leaves, vLLM's all-gather in rank
+order, the trainer's tree), every site records "invariant", and the engine at TP=2 MATCHes
+trainers at TP=1 and TP=2 and is bitwise equal to both on every sampled token.
+
+The model's row-parallel K is 128 (2 heads x 64; intermediate 128): at TP=2 each rank's K is
+64, so the stock negative control (TP=2 sums two rounded partials, TP=1 runs one GEMM over K)
+differs whatever BLAS runs underneath (no BLAS splits so short a K into blocks itself).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _pairing import aligned_logprobs, scoring_jobs
+
+from isoexec.contract.contract import Contract
+from isoexec.contract.options import IsoExecOptions
+from isoexec.contract.pair import handshake, make_prompts
+from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.vllm.engine_process import SamplingSpec
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+NARROW_K = {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 128}
+DTYPES = ("float32", "bfloat16")
+CHUNK = 64
+TEMPS = [1.0, 0.7, 1.0, 0.7]
+TP_INVARIANT = IsoExecOptions(tp_invariant=True)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    root: Path = tmp_path_factory.mktemp("engine-tp")
+    return {
+        dtype: str(make_tiny_model("tiny-dense", root / dtype, dtype=dtype, overrides=NARROW_K))
+        for dtype in DTYPES
+    }
+
+
+def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, **kw: Any) -> Any:
+    return engine_pool(model=model, dtype=dtype, max_num_batched_tokens=CHUNK, **kw)
+
+
+@pytest.fixture(scope="module")
+def tp_run(
+    models: dict[str, str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Each dtype's TP=2 engine samples; one torchrun launch scores it all at TP=1 and TP=2
+    (plus the default-options TP=1 contract, for the fail-closed check)."""
+    sampled: dict[str, list[Any]] = {}
+    jobs: list[dict[str, Any]] = []
+    for dtype, model in models.items():
+        engine = _engine(engine_pool, model, dtype, isoexec=True, options=TP_INVARIANT,
+                         tensor_parallel_size=2)  # fmt: skip
+        engine.call("reset_prefix_cache")
+        prompts = make_prompts(len(TEMPS), 512, seed=12)
+        sampled[dtype] = engine.generate(
+            prompts, [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
+        )
+        for tp in (1, 2):
+            jobs += scoring_jobs(
+                sampled[dtype], TEMPS, model=model, dtype=dtype, tp=tp, isoexec=True,
+                options=TP_INVARIANT.to_dict(), contract=True,
+            )  # fmt: skip
+    jobs.append({"model": models["float32"], "dtype": "float32", "tp": 1, "isoexec": True,
+                 "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
+    results = run_tp_jobs(jobs, [])
+    return {"sampled": sampled, "jobs": jobs, "results": results}
+
+
+@pytest.mark.parametrize("trainer_tp", [1, 2])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tp2_engine_matches_and_equals_trainer_bitwise(
+    dtype: str,
+    trainer_tp: int,
+    tp_run: dict[str, Any],
+    models: dict[str, str],
+    engine_pool: Callable[..., Any],
+) -> None:
+    engine = _engine(engine_pool, models[dtype], dtype, isoexec=True, options=TP_INVARIANT,
+                     tensor_parallel_size=2)  # fmt: skip
+    mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
+            if j["dtype"] == dtype and j["tp"] == trainer_tp and "temperature" in j]  # fmt: skip
+    contract = Contract.from_bytes(mine[0][1]["contract"])
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    trainer_verdict, engine_verdict = handshake(
+        contract, engine, run_id=f"engine-tp2-{dtype}-trainer-tp{trainer_tp}"
+    )
+    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
+    jobs, results = [j for j, _ in mine], [r for _, r in mine]
+    t, e = aligned_logprobs(tp_run["sampled"][dtype], TEMPS, jobs, results)
+    assert t.numel() == 6 * len(TEMPS)
+    assert torch.equal(t, e), (t - e).abs().max()
+
+
+def test_fail_closed_tp2_engine_with_all_reduce_is_refused(
+    tp_run: dict[str, Any], models: dict[str, str], engine_pool: Callable[..., Any]
+) -> None:
+    """The measured fail-open: IsoExec on, engine TP=2 without `tp_invariant` (vLLM's all-reduce
+    at the row-parallel sites), trainer TP=1. Its contract records TP=2 at those sites; the
+    handshake says MISMATCH and the diff names them and the degrees."""
+    engine = _engine(engine_pool, models["float32"], "float32", isoexec=True,
+                     tensor_parallel_size=2)  # fmt: skip
+    mine = Contract.from_bytes(engine.call("contract"))
+    pinned = sorted(s.name for s in mine.sites if s.tp != "invariant")
+    assert pinned and all(n.endswith((".o_proj", ".down_proj")) for n in pinned), pinned
+    assert {mine.site(n).tp for n in pinned} == {"2"}
+    trainer = Contract.from_bytes(tp_run["results"][-1]["contract"])  # TP=1, default options
+    trainer_verdict, engine_verdict = handshake(trainer, engine, run_id="engine-tp2-all-reduce")
+    assert engine_verdict["outcome"] == "MISMATCH" and not trainer_verdict.matched
+    diff = "\n".join(trainer_verdict.diff)
+    assert "o_proj" in diff and "down_proj" in diff and "tp" in diff, diff
+    # A deliberately changed site (the TP-invariant engine's o_proj leaves) is refused too.
+    inv = _engine(engine_pool, models["float32"], "float32", isoexec=True, options=TP_INVARIANT,
+                  tensor_parallel_size=2)  # fmt: skip
+    assert Contract.from_bytes(inv.call("contract")).hash != mine.hash
+
+
+def test_negative_control_stock_engine_tp2_differs_from_tp1(
+    models: dict[str, str], engine_pool: Callable[..., Any]
+) -> None:
+    """Stock vLLM: TP=2 sums the ranks' rounded row-parallel partials, TP=1 runs one GEMM: the
+    same prompts' logprobs differ. IsoExec's TP=2 engine (the test above) does not."""
+    prompts = make_prompts(4, 512, seed=13)
+    spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
+    logprobs = {}
+    for tp in (1, 2):
+        eng = _engine(engine_pool, models["float32"], "float32", tensor_parallel_size=tp)
+        logprobs[tp] = [c.prompt_logprobs for c in eng.generate(prompts, spec)]
+    differ = sum(
+        a != b for p, q in zip(logprobs[1], logprobs[2], strict=True) for a, b in zip(p, q, strict=True)
+    )
+    print("stock engine TP=2 vs TP=1: prompt logprobs that differ:", differ)
+    assert differ > 0
