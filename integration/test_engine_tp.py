@@ -139,8 +139,7 @@ def test_negative_control_stock_engine_tp2_differs_from_tp1(
     for tp in (1, 2):
         eng = _engine(engine_pool, models["float32"], "float32", tensor_parallel_size=tp)
         logprobs[tp] = [c.prompt_logprobs for c in eng.generate(prompts, spec)]
-    differ = sum(
-        a != b for p, q in zip(logprobs[1], logprobs[2], strict=True) for a, b in zip(p, q, strict=True)
-    )
+    pairs = zip(logprobs[1], logprobs[2], strict=True)
+    differ = sum(a != b for p, q in pairs for a, b in zip(p, q, strict=True))
     print("stock engine TP=2 vs TP=1: prompt logprobs that differ:", differ)
     assert differ > 0
