@@ -20,6 +20,35 @@ def interpreting() -> bool:
     return bool(knobs.runtime.interpret)
 
 
+def _install_blas_free_interpreter_dot() -> None:
+    """Under the interpreter, `tl.dot` on floats without the machine's BLAS.
+
+    Triton's interpreter computes `tl.dot` with `np.matmul`, i.e. the BLAS numpy links, and a
+    BLAS may give a row of a fixed-shape GEMM other bits at another row position: OpenBLAS's
+    Haswell sgemm does (measured; this machine kind forces `OPENBLAS_CORETYPE=Haswell` on AMD
+    EPYC). The interpreter would then show a dependence on the tile position that belongs to
+    numpy's BLAS, not to the kernel. `np.einsum` without optimisation runs numpy's own loop,
+    the same for every output element, so what the interpreter shows is the kernel's structure
+    on any CPU. (The interpreter's bits never stand for a GPU's anyway.)
+    """
+    import numpy as np
+    from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
+
+    stock = InterpreterBuilder.create_dot
+    if getattr(stock, "_isoexec_blas_free", False):
+        return
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return stock(self, a, b, d, input_precision, max_num_imprecise_acc)
+        acc = d.data.dtype
+        prod = np.einsum("...mk,...kn->...mn", a.data.astype(acc), b.data.astype(acc))
+        return TensorHandle(prod + d.data, d.dtype.scalar)
+
+    create_dot._isoexec_blas_free = True  # type: ignore[attr-defined]
+    InterpreterBuilder.create_dot = create_dot  # type: ignore[method-assign]
+
+
 def check_device(t: torch.Tensor) -> None:
     """CPU tensors only work under the interpreter; say so instead of a cryptic launch error."""
     if t.device.type == "cpu" and not interpreting():
@@ -112,3 +141,7 @@ def with_torch_backward(
     if not needs:
         return run(*tensors)
     return _TorchBackward.apply(run, ref, *tensors)
+
+
+if interpreting():
+    _install_blas_free_interpreter_dot()
