@@ -248,8 +248,10 @@ def test_negative_control_split_kv_depends_on_where_it_splits():
     says (split-KV decoding, or a BLAS blocking K by size) rounds each split's partial before
     summing, so a row's bits change with the split point.
 
-    The split is built in, at an odd key (499), which no BLAS's K blocking can coincide with
-    (blocks are multiples of the kernel's unroll): it differs on any CPU and library.
+    The split is built in, at key 499 of 1000. A BLAS blocks K in fixed sizes that are
+    multiples of its unroll, or in equal parts (measured: MKL on AMD EPYC cut K <= 256 into two
+    equal halves); no such blocking ends a block at 499, so the two-GEMM schedule rounds where
+    the one GEMM does not, on any CPU and library.
     """
     g = torch.Generator().manual_seed(14)
     p = torch.rand(1, 64, 1000, generator=g)
