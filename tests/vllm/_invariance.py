@@ -41,13 +41,15 @@ def observations(
     isoexec: bool = True,
     prefix_caching: bool = True,
     chunked_prefill: bool = True,
+    extra: dict[str, Any] | None = None,
 ) -> dict[str, list[float]]:
     """The same prompt's logprobs in every situation.
 
     `prefix_caching=False` runs the engines without it (and skips the cache-hit situation);
     `chunked_prefill=False` skips the second (chunked) engine, which costs one engine start.
+    `extra`: more `EngineConfig` fields (e.g. a seed that keeps a faulted engine apart).
     """
-    common: dict[str, Any] = {"model": model, "dtype": dtype, "isoexec": isoexec}
+    common: dict[str, Any] = {"model": model, "dtype": dtype, "isoexec": isoexec, **(extra or {})}
     if not prefix_caching:
         common["enable_prefix_caching"] = False
     whole = engine_pool(**common)
@@ -135,3 +137,25 @@ def watch_preemptions(worker: Any) -> None:
 def preemptions(worker: Any) -> int:
     """Preemption events seen since `watch_preemptions`."""
     return len(getattr(worker, "worker", worker)._isoexec_test_preempted)
+
+
+# ---- a built-in batch dependence, to show the checks can fail on any CPU ---------------------
+FAULT_MIN_ROWS = 200  # more rows than the prompt alone (150), fewer than it co-batched (403)
+
+
+def inject_batch_dependent_final_norm(worker: Any) -> None:
+    """Make the final norm's output one ulp larger in every step of more than `FAULT_MIN_ROWS`
+    tokens: a site whose bits depend on the batch, whatever the CPU and its BLAS."""
+    import torch
+
+    inner = getattr(worker, "worker", worker)
+    norm = inner.model_runner.model.model.norm
+
+    def one_ulp_when_batched(module: Any, args: Any, out: Any) -> Any:
+        first = out[0] if isinstance(out, tuple) else out
+        if first.shape[0] <= FAULT_MIN_ROWS:
+            return out
+        bumped = torch.nextafter(first, torch.full_like(first, float("inf")))
+        return (bumped, *out[1:]) if isinstance(out, tuple) else bumped
+
+    norm.register_forward_hook(one_ulp_when_batched)

@@ -12,7 +12,14 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from _invariance import PROMPT_LEN, assert_finite, differences, non_canonical_sites, observations
+from _invariance import (
+    PROMPT_LEN,
+    assert_finite,
+    differences,
+    inject_batch_dependent_final_norm,
+    non_canonical_sites,
+    observations,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -41,3 +48,22 @@ def test_negative_control_stock_engine_differs(
     iso = differences(observations(engine_pool, model, "bfloat16", 1024, isoexec=True))
     print("isoexec engine mismatches per situation:", iso)
     assert sum(iso.values()) == 0, iso
+
+
+def test_checks_detect_an_injected_batch_dependent_site(
+    engine_pool: Callable[..., Any], model_factory: Callable[[str, str], str]
+) -> None:
+    """The difference built in, so the checks are shown to fail on any CPU (the stock control
+    above depends on which BLAS paths the CPU takes): an IsoExec engine whose final norm is one
+    ulp off in steps of more than 200 tokens changes the co-batched prompt's logprobs.
+
+    A separate engine (seed 1) carries the fault, so no other test shares it.
+    """
+    model = model_factory("tiny-dense", "float32")
+    eng = engine_pool(model=model, isoexec=True, seed=1)
+    eng.call("collective_rpc", inject_batch_dependent_final_norm)
+    diffs = differences(observations(engine_pool, model, "float32", 512, chunked_prefill=False,
+                                     extra={"seed": 1}))  # fmt: skip
+    print("faulty isoexec engine mismatches per situation:", diffs)
+    assert diffs["co_batched"] > 0, diffs
+    assert diffs["decode_vs_prefill"] == 0, diffs  # steps of <= 200 tokens are untouched
