@@ -6,7 +6,9 @@ MATCHed a TP=1 trainer and produced other bits. Now such a site records the TP d
 ("2"), so the handshake refuses it, naming the site. With `tp_invariant`, vLLM's row-parallel
 sites run `linear_tp` across the ranks (each rank's fixed K-leaves, vLLM's all-gather in rank
 order, the trainer's tree), every site records "invariant", and the engine at TP=2 MATCHes
-trainers at TP=1 and TP=2 and is bitwise equal to both on every sampled token.
+trainers at TP=1 and TP=2 and is bitwise equal to both on every sampled token. Qwen3-MoE too:
+the engine's MoE runner gathers each rank's expert shards whole (the canonical combine runs
+whole experts, as the trainer does at every TP) instead of all-reducing rounded partials.
 
 The model's row-parallel K is 128 (2 heads x 64; intermediate 128): at TP=2 each rank's K is
 64, so the stock negative control (TP=2 sums two rounded partials, TP=1 runs one GEMM over K)
@@ -32,18 +34,28 @@ from isoexec.vllm.engine_process import SamplingSpec
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 NARROW_K = {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 128}
-DTYPES = ("float32", "bfloat16")
+# (preset, dtype): Qwen3 dense and MoE. The MoE engine gathers each expert whole on every
+# rank (vLLM shards them over TP), as the trainer holds them at every TP.
+CASES = (
+    ("tiny-dense", "float32"),
+    ("tiny-dense", "bfloat16"),
+    ("tiny-moe", "float32"),
+    ("tiny-moe", "bfloat16"),
+)
+DENSE32 = ("tiny-dense", "float32")
 CHUNK = 64
 TEMPS = [1.0, 0.7, 1.0, 0.7]
 TP_INVARIANT = IsoExecOptions(tp_invariant=True)
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], str]:
     root: Path = tmp_path_factory.mktemp("engine-tp")
     return {
-        dtype: str(make_tiny_model("tiny-dense", root / dtype, dtype=dtype, overrides=NARROW_K))
-        for dtype in DTYPES
+        (preset, dtype): str(
+            make_tiny_model(preset, root / f"{preset}-{dtype}", dtype=dtype, overrides=NARROW_K)
+        )
+        for preset, dtype in CASES
     }
 
 
@@ -53,65 +65,67 @@ def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, **kw: Any) 
 
 @pytest.fixture(scope="module")
 def tp_run(
-    models: dict[str, str],
+    models: dict[tuple[str, str], str],
     engine_pool: Callable[..., Any],
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """Each dtype's TP=2 engine samples; one torchrun launch scores it all at TP=1 and TP=2
+    """Each case's TP=2 engine samples; one torchrun launch scores it all at TP=1 and TP=2
     (plus the default-options TP=1 contract, for the fail-closed check)."""
-    sampled: dict[str, list[Any]] = {}
+    sampled: dict[tuple[str, str], list[Any]] = {}
     jobs: list[dict[str, Any]] = []
-    for dtype, model in models.items():
+    for (preset, dtype), model in models.items():
         engine = _engine(engine_pool, model, dtype, isoexec=True, options=TP_INVARIANT,
                          tensor_parallel_size=2)  # fmt: skip
         engine.call("reset_prefix_cache")
         prompts = make_prompts(len(TEMPS), 512, seed=12)
-        sampled[dtype] = engine.generate(
+        sampled[preset, dtype] = engine.generate(
             prompts, [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
         )
         for tp in (1, 2):
             jobs += scoring_jobs(
-                sampled[dtype], TEMPS, model=model, dtype=dtype, tp=tp, isoexec=True,
+                sampled[preset, dtype], TEMPS, model=model, dtype=dtype, tp=tp, isoexec=True,
                 options=TP_INVARIANT.to_dict(), contract=True,
             )  # fmt: skip
-    jobs.append({"model": models["float32"], "dtype": "float32", "tp": 1, "isoexec": True,
+    jobs.append({"model": models[DENSE32], "dtype": "float32", "tp": 1, "isoexec": True,
                  "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
     results = run_tp_jobs(jobs, [])
     return {"sampled": sampled, "jobs": jobs, "results": results}
 
 
 @pytest.mark.parametrize("trainer_tp", [1, 2])
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("preset", "dtype"), CASES)
 def test_tp2_engine_matches_and_equals_trainer_bitwise(
+    preset: str,
     dtype: str,
     trainer_tp: int,
     tp_run: dict[str, Any],
-    models: dict[str, str],
+    models: dict[tuple[str, str], str],
     engine_pool: Callable[..., Any],
 ) -> None:
-    engine = _engine(engine_pool, models[dtype], dtype, isoexec=True, options=TP_INVARIANT,
+    model = models[preset, dtype]
+    engine = _engine(engine_pool, model, dtype, isoexec=True, options=TP_INVARIANT,
                      tensor_parallel_size=2)  # fmt: skip
     mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
-            if j["dtype"] == dtype and j["tp"] == trainer_tp and "temperature" in j]  # fmt: skip
+            if j["model"] == model and j["tp"] == trainer_tp and "temperature" in j]  # fmt: skip
     contract = Contract.from_bytes(mine[0][1]["contract"])
     assert {s.tp for s in contract.sites} == {"invariant"}
     trainer_verdict, engine_verdict = handshake(
-        contract, engine, run_id=f"engine-tp2-{dtype}-trainer-tp{trainer_tp}"
+        contract, engine, run_id=f"engine-tp2-{preset}-{dtype}-trainer-tp{trainer_tp}"
     )
     assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
     jobs, results = [j for j, _ in mine], [r for _, r in mine]
-    t, e = aligned_logprobs(tp_run["sampled"][dtype], TEMPS, jobs, results)
+    t, e = aligned_logprobs(tp_run["sampled"][preset, dtype], TEMPS, jobs, results)
     assert t.numel() == 6 * len(TEMPS)
     assert torch.equal(t, e), (t - e).abs().max()
 
 
 def test_fail_closed_tp2_engine_with_all_reduce_is_refused(
-    tp_run: dict[str, Any], models: dict[str, str], engine_pool: Callable[..., Any]
+    tp_run: dict[str, Any], models: dict[tuple[str, str], str], engine_pool: Callable[..., Any]
 ) -> None:
     """The measured fail-open: IsoExec on, engine TP=2 without `tp_invariant` (vLLM's all-reduce
     at the row-parallel sites), trainer TP=1. Its contract records TP=2 at those sites; the
     handshake says MISMATCH and the diff names them and the degrees."""
-    engine = _engine(engine_pool, models["float32"], "float32", isoexec=True,
+    engine = _engine(engine_pool, models[DENSE32], "float32", isoexec=True,
                      tensor_parallel_size=2)  # fmt: skip
     mine = Contract.from_bytes(engine.call("contract"))
     pinned = sorted(s.name for s in mine.sites if s.tp != "invariant")
@@ -123,13 +137,13 @@ def test_fail_closed_tp2_engine_with_all_reduce_is_refused(
     diff = "\n".join(trainer_verdict.diff)
     assert "o_proj" in diff and "down_proj" in diff and "tp" in diff, diff
     # A deliberately changed site (the TP-invariant engine's o_proj leaves) is refused too.
-    inv = _engine(engine_pool, models["float32"], "float32", isoexec=True, options=TP_INVARIANT,
+    inv = _engine(engine_pool, models[DENSE32], "float32", isoexec=True, options=TP_INVARIANT,
                   tensor_parallel_size=2)  # fmt: skip
     assert Contract.from_bytes(inv.call("contract")).hash != mine.hash
 
 
 def test_negative_control_stock_engine_tp2_differs_from_tp1(
-    models: dict[str, str], engine_pool: Callable[..., Any]
+    models: dict[tuple[str, str], str], engine_pool: Callable[..., Any]
 ) -> None:
     """Stock vLLM: TP=2 sums the ranks' rounded row-parallel partials, TP=1 runs one GEMM: the
     same prompts' logprobs differ. IsoExec's TP=2 engine (the test above) does not."""
@@ -137,7 +151,7 @@ def test_negative_control_stock_engine_tp2_differs_from_tp1(
     spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
     logprobs = {}
     for tp in (1, 2):
-        eng = _engine(engine_pool, models["float32"], "float32", tensor_parallel_size=tp)
+        eng = _engine(engine_pool, models[DENSE32], "float32", tensor_parallel_size=tp)
         logprobs[tp] = [c.prompt_logprobs for c in eng.generate(prompts, spec)]
     pairs = zip(logprobs[1], logprobs[2], strict=True)
     differ = sum(a != b for p, q in pairs for a, b in zip(p, q, strict=True))
