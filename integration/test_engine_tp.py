@@ -17,6 +17,8 @@ differs whatever BLAS runs underneath (no BLAS splits so short a K into blocks i
 
 from __future__ import annotations
 
+import secrets
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ import torch
 from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
+from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.options import IsoExecOptions
 from isoexec.contract.pair import handshake, make_prompts
 from isoexec.contract.tiny_models import make_tiny_model
@@ -157,3 +160,46 @@ def test_negative_control_stock_engine_tp2_differs_from_tp1(
     differ = sum(a != b for p, q in pairs for a, b in zip(p, q, strict=True))
     print("stock engine TP=2 vs TP=1: prompt logprobs that differ:", differ)
     assert differ > 0
+
+
+@pytest.mark.parametrize("fault_rank", [None, 1])
+def test_every_rank_of_both_sides_offers_and_one_verdict_covers_the_run(
+    fault_rank: int | None,
+    models: dict[tuple[str, str], str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+    tmp_path: Path,
+) -> None:
+    """Trainer TP=2 (torchrun, 2 ranks) and engine TP=2 (2 vLLM workers): four participants,
+    each offering the contract read back from its own model, one verdict for all. With a
+    changed site on trainer rank 1 only (a wider attention tile), every participant, engine
+    workers included, gets MISMATCH and the diff names the site."""
+    token = secrets.token_hex(16)
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    engine = _engine(engine_pool, models[DENSE32], "float32", isoexec=True, options=TP_INVARIANT,
+                     tensor_parallel_size=2)  # fmt: skip
+    run_id = f"many-ranks-fault-{fault_rank}"
+    got: dict[str, Any] = {}
+    with HandshakeServer({"trainer": 2, "engine": 2}, token) as server:
+
+        def engine_offers() -> None:
+            got["engine"] = engine.call("handshake", server.address, token, run_id)
+
+        t = threading.Thread(target=engine_offers, daemon=True)
+        t.start()
+        hs = {"address": server.address, "token_file": str(token_file), "run_id": run_id}
+        job = {"model": models[DENSE32], "dtype": "float32", "tp": 2, "isoexec": True,
+               "options": TP_INVARIANT.to_dict(), "seqs": [[1, 2, 3]], "handshake": hs,
+               "fault_rank": fault_rank}  # fmt: skip
+        (trainer,) = run_tp_jobs([job], [])
+        t.join(timeout=120)
+    assert len(got["engine"]) == 2, got
+    outcomes = [v["outcome"] for v in got["engine"]] + [trainer["verdict"]["outcome"]]
+    if fault_rank is None:
+        assert outcomes == ["MATCH"] * 3, got
+    else:
+        assert outcomes == ["MISMATCH"] * 3, got
+        diff = "\n".join(trainer["verdict"]["diff"])
+        assert "layers.1.self_attn.core" in diff, diff
+        assert got["engine"][0]["diff"] == trainer["verdict"]["diff"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,7 +80,29 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             from isoexec.megatron.contract_readback import trainer_contract
 
             out["contract"] = trainer_contract(model, job["model"]).to_bytes()
+        if job.get("handshake"):
+            out["verdict"] = offer_from_every_rank(model, job)
     return out
+
+
+def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
+    """Every rank offers its own contract (trainer/<rank>) to the job's handshake service and
+    waits for the run's one verdict; `fault_rank` first widens that rank's layer-1 attention
+    tile (a deliberately changed site on one rank only)."""
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.megatron.contract_readback import trainer_contract
+
+    rank = dist.get_rank()
+    if job.get("fault_rank") == rank:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
+        from _faults import widen_attention_tile
+
+        widen_attention_tile(model.decoder.layers[1].self_attention.core_attention)
+    hs = job["handshake"]
+    contract = trainer_contract(model, job["model"])
+    with HandshakeClient(hs["address"], Path(hs["token_file"]).read_text()) as client:
+        v = client.offer(hs["run_id"], "trainer", rank, contract)
+    return {"outcome": v.outcome, "diff": list(v.diff), "hash": contract.hash}
 
 
 def main() -> None:
