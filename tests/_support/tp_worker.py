@@ -42,6 +42,31 @@ def plain_gdn_out_proj(model: torch.nn.Module) -> None:
         mod.forward = forward
 
 
+def naive_dp_train_step(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, seqs: list[list[int]], max_tokens: int
+) -> float:
+    """Negative control: data parallelism as a DDP all-reduce does it. Each DP rank takes its
+    contiguous half of the packs, autograd accumulates their gradients one after another, and
+    the ranks' sums are all-reduced: the addition order of the packs' gradients depends on DP."""
+    from megatron.core import parallel_state as ps
+
+    from isoexec.megatron.scoring import _packs, packed_logprobs
+
+    ids = [torch.tensor(s) for s in seqs]
+    total = sum(len(s) - 1 for s in seqs)
+    packs = _packs([len(s) for s in seqs], max_tokens)
+    dp, rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    per = -(-len(packs) // dp)
+    opt.zero_grad(set_to_none=True)
+    for pack in packs[rank * per : (rank + 1) * per]:
+        (-torch.cat(packed_logprobs(model, [ids[i] for i in pack])).sum() / total).backward()
+    for p in model.parameters():
+        if p.grad is not None and dp > 1:
+            dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+    opt.step()
+    return 0.0
+
+
 def run_job(job: dict, seqs: list[list[int]]) -> dict:
     from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron.model_builder import build_model
@@ -72,7 +97,10 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             )
         if job.get("train"):
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
-            out["loss"] = train_step(model, opt, seqs)
+            if job.get("naive_dp"):
+                out["loss"] = naive_dp_train_step(model, opt, seqs, job["max_tokens"])
+            else:
+                out["loss"] = train_step(model, opt, seqs, max_tokens=job.get("max_tokens"))
             out["logprobs_after_step"] = score(model, seqs)
             if job.get("export_after_step"):  # HF layout: comparable with a TP=1 step
                 out["weights_after_step"] = dict(export_hf_weights(model))

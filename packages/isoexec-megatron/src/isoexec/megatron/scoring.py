@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 
 from isoexec.contract import ops
+from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 
 TokenSeq = Sequence[int] | torch.Tensor
 
@@ -216,15 +217,18 @@ def train_step(
 ) -> float:
     """One optimizer step on the mean negative logprob over all predicted tokens; returns it.
 
-    isoexec model: packed forwards (micro-batches of <= `max_tokens`), gradients accumulated,
-    each scaled by its share of the tokens. Native: one sequence per forward. Either way the
-    step equals one on the token-mean loss. Tensor parallelism is fine (Megatron's autograd
-    regions reduce what each rank needs); data parallelism is not wired (no gradient reduction).
+    `sequences` is the global batch. isoexec model: packed forwards (micro-batches of <=
+    `max_tokens`, the units), each unit's gradient scaled by its share of the tokens, the unit
+    gradients summed in `grad_tree`'s fixed tree. Under data parallelism (Megatron's DP group)
+    each DP rank computes its own block of units and the tree is finished over DP, so the step
+    is bitwise the same at DP=1, 2, 4 in fp32. Native: one sequence per forward, gradients
+    accumulated by autograd, DP>1 not wired. Tensor parallelism is fine on both (Megatron's
+    autograd regions reduce what each rank needs).
     """
     from megatron.core import parallel_state as ps
 
-    if ps.model_parallel_is_initialized() and ps.get_data_parallel_world_size() > 1:
-        raise NotImplementedError("train_step: data-parallel gradient reduction is not wired")
+    parallel = ps.model_parallel_is_initialized()
+    dp = ps.get_data_parallel_world_size() if parallel else 1
     vocab = _vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
     total = sum(ids.numel() - 1 for ids in all_ids)
@@ -233,16 +237,31 @@ def train_step(
     iso = is_isoexec(model)
     if not iso and max_tokens is not None:
         raise ValueError("max_tokens packs sequences: isoexec models only")
+    if not iso and dp > 1:
+        raise NotImplementedError("train_step: data parallelism for native models is not wired")
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     if iso:
+        params = [p for p in model.parameters() if p.requires_grad]
         kept = [ids for ids in all_ids if ids.numel() >= 2]
-        for pack in _packs([int(i.numel()) for i in kept], max_tokens):
-            lps = packed_logprobs(model, [kept[i] for i in pack])
+        packs = _packs([int(i.numel()) for i in kept], max_tokens)
+        tree = GradTree(params)
+        for unit in rank_units(len(packs), dp, ps.get_data_parallel_rank() if parallel else 0):
+            if unit >= len(packs):  # padding to a power of two: an empty unit
+                tree.push(None)
+                continue
+            lps = packed_logprobs(model, [kept[i] for i in packs[unit]])
             loss = -torch.cat(lps).sum() / total
-            loss.backward()
+            tree.push(torch.autograd.grad(loss, params, allow_unused=True))
             loss_sum += float(loss.detach())
+        group = ps.get_data_parallel_group() if dp > 1 else None
+        for p, g in zip(params, finish_over_dp(tree.result(), group, dp), strict=True):
+            p.grad = g
+        if dp > 1:
+            total_loss = torch.tensor([loss_sum], dtype=torch.float64)
+            torch.distributed.all_reduce(total_loss, group=group)
+            loss_sum = float(total_loss)
     else:
         for ids in all_ids:
             if ids.numel() < 2:
