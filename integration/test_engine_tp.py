@@ -37,13 +37,16 @@ from isoexec.vllm.engine_process import SamplingSpec
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 NARROW_K = {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_size": 128}
-# (preset, dtype): Qwen3 dense and MoE. The MoE engine gathers each expert whole on every
-# rank (vLLM shards them over TP), as the trainer holds them at every TP.
+# (preset, dtype): Qwen3 dense and MoE, and the GDN hybrids. The MoE engine gathers each
+# expert (and the shared expert) whole on every rank (vLLM shards them over TP), as the trainer
+# holds them at every TP; GDN heads are per-head ops on each rank's heads, out_proj linear_tp.
 CASES = (
     ("tiny-dense", "float32"),
     ("tiny-dense", "bfloat16"),
     ("tiny-moe", "float32"),
     ("tiny-moe", "bfloat16"),
+    ("tiny-gdn", "float32"),  # Qwen3-Next: GDN layers, gated attention, MoE + shared expert
+    ("tiny-qwen35", "float32"),  # Qwen3.5 text: flat GDN projections
 )
 DENSE32 = ("tiny-dense", "float32")
 CHUNK = 64

@@ -117,10 +117,6 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             problems.append(f"conv state dtype {conv_dtype} (model {self.model_config.dtype})")
         if ssm_dtype != torch.float32:
             problems.append(f"recurrent state dtype {ssm_dtype} (IsoExec pins fp32)")
-        if self.tp_size > 1:
-            # vLLM shards GDN heads its own way; no test shows that bitwise yet, so it is
-            # refused rather than declared canonical.
-            problems.append(f"tensor parallelism (TP={self.tp_size}; not yet shown bitwise)")
         if problems:
             raise UnsupportedSiteError(
                 f"GDN {self.prefix!r}: canonical GDN does not support: " + ", ".join(problems)

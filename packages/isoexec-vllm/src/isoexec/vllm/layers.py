@@ -175,6 +175,14 @@ def _row_parallel_forward(self: Any, input_: torch.Tensor) -> Any:
     all-reduced (the leaves were gathered). Otherwise vLLM's own forward."""
     if self.tp_size == 1 or not isinstance(self.quant_method, CanonicalTPInvariantLinearMethod):
         return RowParallelLinear.forward(self, input_)
+    if not self.reduce_results:
+        # Refused when called, not when built: IsoMoERunner holds such a layer (the shared
+        # expert's down_proj) and uses its weight, never this forward.
+        raise UnsupportedSiteError(
+            f"{type(self).__name__} {getattr(self, 'prefix', '')!r} at TP={self.tp_size}: "
+            "reduce_results=False leaves the reduction to its caller, which would all-reduce "
+            "the gathered leaves; no canonical TP-invariant form"
+        )
     x = input_
     if not self.input_is_parallel:
         x = input_.chunk(self.tp_size, dim=-1)[self.tp_rank].contiguous()
@@ -216,15 +224,8 @@ def _with_canonical_linear(base: type) -> type:
         check_engine_layout()
         row_parallel = isinstance(self, RowParallelLinear)
         tp_invariant = engine_options().tp_invariant and row_parallel
-        if tp_invariant and self.tp_size > 1:
-            if not self.reduce_results:
-                raise UnsupportedSiteError(
-                    f"{base.__name__} {getattr(self, 'prefix', '')!r} at TP={self.tp_size}: "
-                    "reduce_results=False leaves the reduction to its caller, which would "
-                    "all-reduce the gathered leaves; no canonical TP-invariant form"
-                )
-            if engine_options().backend != ops.BACKEND:
-                raise UnsupportedSiteError("tp_invariant at TP>1 with the Triton backend")
+        if tp_invariant and self.tp_size > 1 and engine_options().backend != ops.BACKEND:
+            raise UnsupportedSiteError("tp_invariant at TP>1 with the Triton backend")
         self.quant_method = (
             CanonicalTPInvariantLinearMethod() if tp_invariant else CanonicalLinearMethod()
         )

@@ -85,10 +85,6 @@ class IsoMoERunner(MoERunner):
             problems.append("no canonical router gate held by the runner")
         if cfg.ep_size > 1 or cfg.dp_size > 1 or cfg.pcp_size > 1:
             problems.append("expert/data/context-parallel MoE")
-        if cfg.tp_size > 1 and self._shared_experts is not None:
-            # vLLM builds the shared expert with reduce_results=False and leaves its reduction
-            # to the stock runner's all-reduce, which this runner does not run.
-            problems.append("a shared expert at TP>1")
         if cfg.is_sequence_parallel:
             problems.append("sequence-parallel MoE")
         if re.global_num_experts != re.local_num_experts or re.expert_map is not None:
@@ -154,31 +150,34 @@ class IsoMoERunner(MoERunner):
         shared: dict[str, torch.Tensor] = {}
         if self._shared_experts is not None:
             mlp = self._shared_experts._layer
-            shared["shared_w13"] = mlp.gate_up_proj.weight
-            shared["shared_w2"] = mlp.down_proj.weight
+            shared["shared_w13"] = self._whole(mlp.gate_up_proj.weight, -2, gate_up=True)
+            shared["shared_w2"] = self._whole(mlp.down_proj.weight, -1)
             if getattr(mlp, "expert_gate", None) is not None:
-                shared["shared_gate_w"] = mlp.expert_gate.weight
-        w13, w2 = self._whole_experts()
+                shared["shared_gate_w"] = mlp.expert_gate.weight  # replicated
+        w13 = self._whole(re.w13_weight, -2, gate_up=True)
+        w2 = self._whole(re.w2_weight, -1)
         return o.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
 
-    def _whole_experts(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stacked expert weights, whole: as loaded at TP=1; gathered exactly at TP>1.
+    def _whole(self, w: torch.Tensor, dim: int, *, gate_up: bool = False) -> torch.Tensor:
+        """An expert weight whole: as loaded at TP=1; gathered exactly at TP>1.
 
-        vLLM shards each expert's intermediate dim over TP (`w13 [E, 2I/tp, H]` = this rank's
-        [gate; up] rows, `w2 [E, H, I/tp]`) and all-reduces the rounded partial outputs. The
-        canonical combine runs whole experts (as the trainer does at every TP), so every rank
-        gathers the shards in rank order and computes the full output itself; nothing is
-        all-reduced. The gather runs every forward (no cache that a `.data` weight write could
-        leave stale): a communication cost of the expert weights per MoE layer per step.
+        vLLM shards each expert's (and the shared expert's) intermediate dim over TP: w13 /
+        gate_up holds this rank's [gate; up] rows, w2 / down_proj its columns, and the stock
+        runner all-reduces rounded partial outputs. The canonical combine runs whole experts
+        (as the trainer does at every TP), so every rank gathers the shards in rank order and
+        computes the full output itself; nothing is all-reduced. The gather runs every forward
+        (no cache that a `.data` weight write could leave stale): it costs a transfer of the
+        expert weights per MoE layer per step.
         """
-        re = self.routed_experts
         if self.moe_config.tp_size == 1:
-            return re.w13_weight, re.w2_weight
+            return w
         from vllm.distributed import tensor_model_parallel_all_gather as all_gather
 
-        gate, up = re.w13_weight.chunk(2, dim=1)
-        w13 = torch.cat([all_gather(gate.contiguous(), 1), all_gather(up.contiguous(), 1)], 1)
-        return w13, all_gather(re.w2_weight.contiguous(), 2)
+        d = dim % w.dim()
+        if not gate_up:
+            return all_gather(w.contiguous(), d)
+        gate, up = w.chunk(2, dim=d)
+        return torch.cat([all_gather(gate.contiguous(), d), all_gather(up.contiguous(), d)], d)
 
 
 def register_moe() -> None:
