@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
-import subprocess
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -116,29 +113,13 @@ def run_tp_jobs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., list[
     ) -> list[Any]:
         import torch
 
+        from isoexec.megatron.torchrun import run_torchrun
+
         tmp = tmp_path_factory.mktemp("torchrun")
         job_file, out_file = tmp / "jobs.json", tmp / "results.pt"
         job_file.write_text(json.dumps({"jobs": jobs, "seqs": seqs}))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        cmd = [
-            sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-            "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(TP_WORKER), str(job_file), str(out_file),
-        ]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "ISOEXEC": "0", **(env or {})}
-        proc = subprocess.Popen(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            log, _ = proc.communicate(timeout=900)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        assert proc.returncode == 0, log.decode(errors="replace")[-6000:]
+        target = [str(TP_WORKER), str(job_file), str(out_file)]
+        run_torchrun(target, nproc, env={"ISOEXEC": "0", **(env or {})}, timeout_s=900)
         return list(torch.load(out_file))
 
     return run

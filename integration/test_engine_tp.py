@@ -206,3 +206,21 @@ def test_every_rank_of_both_sides_offers_and_one_verdict_covers_the_run(
         diff = "\n".join(trainer["verdict"]["diff"])
         assert "layers.1.self_attn.core" in diff, diff
         assert got["engine"][0]["diff"] == trainer["verdict"]["diff"]
+
+
+def test_pair_checks_a_layout_in_one_command(tmp_path: Path) -> None:
+    """`isoexec pair --engine-tp 2 --trainer-tp 2`: vLLM's executor at TP=2, a torchrun trainer
+    at TP=2 whose ranks each offer their contract; MATCH and every sampled token bitwise (exit
+    0). The stock arm of the same command is not bitwise (the comparison can fail)."""
+    import json
+
+    from isoexec.contract.cli import main
+
+    out = tmp_path / "pair"
+    args = ["pair", "--preset", "tiny-moe", "--engine-tp", "2", "--trainer-tp", "2",
+            "--num-prompts", "4", "--max-tokens", "6", "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())}
+    assert arms["isoexec"]["handshake"].startswith("MATCH")
+    assert arms["isoexec"]["bitwise_equal"] == arms["isoexec"]["tokens"] == 24
+    assert arms["stock"]["bitwise_equal"] < arms["stock"]["tokens"]

@@ -68,9 +68,12 @@ def run_arm(
     seed: int,
     locate_dir: Path | None = None,
     engine_tp: int = 1,
+    trainer_tp: int = 1,
 ) -> ArmResult:
-    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); the isoexec arm
-    then runs `tp_invariant` on both sides (the only canonical form across TP degrees)."""
+    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); `trainer_tp` > 1
+    scores on a torchrun world of that many ranks, each offering its own contract. With either
+    above 1 the isoexec arm runs `tp_invariant` on both sides (the only canonical form across
+    TP degrees)."""
     import torch
 
     from isoexec.contract.options import IsoExecOptions
@@ -86,11 +89,19 @@ def run_arm(
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     prompts = make_prompts(num_prompts, int(hf_config["vocab_size"]), seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
-    options = IsoExecOptions(tp_invariant=isoexec and engine_tp > 1)
+    options = IsoExecOptions(tp_invariant=isoexec and max(engine_tp, trainer_tp) > 1)
     engine_cfg = EngineConfig(
         model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
         options=options, tensor_parallel_size=engine_tp,
     )  # fmt: skip
+    if trainer_tp > 1:
+        if locate_dir is not None:
+            raise ValueError("--locate traces an in-process trainer: use --trainer-tp 1")
+        with EngineProcess(engine_cfg) as engine:
+            return _torchrun_arm(
+                engine, model_dir, dtype, isoexec=isoexec, options=options, tp=trainer_tp,
+                prompts=prompts, temps=temps, max_tokens=max_tokens,
+            )  # fmt: skip
     with EngineProcess(engine_cfg) as engine, megatron_parallel():
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
         load_hf_weights(model, model_dir)
@@ -109,6 +120,12 @@ def run_arm(
 
             located = locate_pair(engine, model, hf_config, prompts[:LOCATE_SEQUENCES], locate_dir)
             report = format_result(located)
+    return _arm_result(isoexec, status, train, eng, report)
+
+
+def _arm_result(isoexec: bool, status: str, train: Any, eng: Any, report: Any = None) -> ArmResult:
+    import torch
+
     diff = (train - eng).abs()
     ratio_dev = (torch.exp(train.double() - eng.double()) - 1).abs()
     return ArmResult(
@@ -120,6 +137,67 @@ def run_arm(
         max_ratio_dev=float(ratio_dev.max()),
         locate=report,
     )
+
+
+def _torchrun_arm(
+    engine: Any,
+    model_dir: str,
+    dtype: str,
+    *,
+    isoexec: bool,
+    options: Any,
+    tp: int,
+    prompts: list[list[int]],
+    temps: list[float],
+    max_tokens: int,
+) -> ArmResult:
+    """The arm with a TP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
+    after each rank offered its own contract, beside every engine worker) score the samples."""
+    import tempfile
+
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.megatron.distributed_scoring import score_on_torchrun
+
+    completions = sample(engine, prompts, temps, max_tokens)
+    levels = sorted(set(temps))
+    job: dict[str, Any] = {
+        "model": model_dir, "dtype": dtype, "tp": tp, "isoexec": isoexec,
+        "options": options.to_dict(),
+        "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
+    }  # fmt: skip
+    status = "n/a (stock arm)"
+    if not isoexec:
+        result = score_on_torchrun(job, tp)
+    else:
+        token = secrets.token_hex(16)
+        workers = engine.config.tensor_parallel_size
+        with (
+            tempfile.TemporaryDirectory(prefix="isoexec-pair-") as tmp,
+            HandshakeServer({"trainer": tp, "engine": workers}, token) as server,
+        ):
+            token_file = Path(tmp) / "token"
+            token_file.write_text(token)
+            job["handshake"] = {
+                "address": server.address, "token_file": str(token_file), "run_id": "pair",
+            }  # fmt: skip
+            got: dict[str, Any] = {}
+
+            def engine_offers() -> None:
+                got["engine"] = engine.call("handshake", server.address, token, "pair")
+
+            t = threading.Thread(target=engine_offers, daemon=True)
+            t.start()
+            result = score_on_torchrun(job, tp)
+            t.join(timeout=60)
+        verdict = result["verdict"]
+        if verdict["outcome"] != "MATCH":
+            raise RuntimeError(
+                f"handshake {verdict['outcome']}: " + "; ".join(verdict["diff"][:10])
+            )
+        status = f"MATCH {verdict['hash'][:12]}"
+    scored = dict(zip(levels, result["logprobs"], strict=True))
+    train, eng = align(completions, temps, scored)
+    return _arm_result(isoexec, status, train, eng)
 
 
 def locate_pair(
@@ -148,6 +226,38 @@ def locate_pair(
     return locate(Trace.read(tpath), Trace.read(epath))
 
 
+def sample(engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int) -> list[Any]:
+    """The engine samples `max_tokens` tokens per prompt, each at its temperature."""
+    from isoexec.vllm.engine_process import SamplingSpec
+
+    engine.call("reset_prefix_cache")
+    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
+    return engine.generate(prompts, specs)
+
+
+def _group(completions: list[Any], temps: list[float], temp: float) -> list[list[int]]:
+    """The full sequences (prompt + completion) sampled at `temp`, in order."""
+    return [
+        c.prompt_token_ids + c.token_ids
+        for c, t in zip(completions, temps, strict=True)
+        if t == temp
+    ]
+
+
+def align(completions: list[Any], temps: list[float], scored: dict[float, list[Any]]) -> Any:
+    """(trainer, engine) fp32 logprobs of every sampled token, in the same order; `scored`
+    maps each temperature to the trainer's logprobs of `_group(..., temperature)`."""
+    import torch
+
+    train_lps, engine_lps = [], []
+    for temp in sorted(set(temps)):
+        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
+        for c, lp in zip(group, scored[temp], strict=True):
+            train_lps.append(lp[-len(c.token_ids) :].float())
+            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    return torch.cat(train_lps), torch.cat(engine_lps)
+
+
 def sample_and_score(
     engine: Any,
     model: Any,
@@ -159,22 +269,12 @@ def sample_and_score(
 
     Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
     """
-    import torch
-
     from isoexec.megatron import score
-    from isoexec.vllm.engine_process import SamplingSpec
 
-    engine.call("reset_prefix_cache")
-    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
-    completions = engine.generate(prompts, specs)
-    train_lps, engine_lps = [], []
-    for temp in sorted(set(temps)):
-        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
-        scored = score(model, [c.prompt_token_ids + c.token_ids for c in group], temperature=temp)
-        for c, lp in zip(group, scored, strict=True):
-            train_lps.append(lp[-len(c.token_ids) :].float())
-            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    return torch.cat(train_lps), torch.cat(engine_lps)
+    completions = sample(engine, prompts, temps, max_tokens)
+    levels = sorted(set(temps))
+    scored = {t: score(model, _group(completions, temps, t), temperature=t) for t in levels}
+    return align(completions, temps, scored)
 
 
 def handshake(
@@ -248,8 +348,15 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "--engine-tp",
         type=int,
         default=1,
-        help="the engine's tensor-parallel degree (vLLM's executor; the trainer stays TP=1); "
-        "above 1 the isoexec arm runs tp_invariant on both sides",
+        help="the engine's tensor-parallel degree (vLLM's executor); above 1 the isoexec arm "
+        "runs tp_invariant on both sides",
+    )
+    p.add_argument(
+        "--trainer-tp",
+        type=int,
+        default=1,
+        help="the trainer's tensor-parallel degree (a torchrun world of that many ranks, each "
+        "offering its own contract); above 1 the isoexec arm runs tp_invariant on both sides",
     )
     p.add_argument(
         "--locate",
@@ -291,6 +398,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             locate_dir=out / "locate" if args.locate else None,
             engine_tp=args.engine_tp,
+            trainer_tp=args.trainer_tp,
         )
         for arm in args.arms.split(",")
     ]

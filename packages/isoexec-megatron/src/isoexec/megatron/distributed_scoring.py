@@ -1,0 +1,90 @@
+"""Score sequences with a Megatron trainer at TP>1 on a real torchrun world.
+
+`score_on_torchrun(job, tp)` is what `isoexec pair --trainer-tp N` runs: every rank builds the
+model at the job's TP and loads the checkpoint; with a handshake in the job, every rank offers
+the contract read back from its own model (trainer/<rank>) and waits for the run's verdict;
+then the ranks score each group of sequences at its temperature, and rank 0 returns the
+logprobs. Run as `python -m isoexec.megatron.distributed_scoring JOB_JSON OUT_PT` by torchrun.
+
+The job (JSON): model, dtype, tp, isoexec, options (IsoExecOptions mapping), groups
+([{"temperature": t, "seqs": [[ids]]}]), and optionally handshake ({"address", "token_file",
+"run_id"}: the token is read from a file, never from argv).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+def score_on_torchrun(job: dict[str, Any], tp: int, *, timeout_s: float = 900.0) -> dict[str, Any]:
+    """Run `job` on a `tp`-rank torchrun world; rank 0's result (see the module doc)."""
+    from isoexec.megatron.torchrun import run_torchrun
+
+    with tempfile.TemporaryDirectory(prefix="isoexec-score-") as tmp:
+        job_file, out_file = Path(tmp) / "job.json", Path(tmp) / "out.pt"
+        job_file.write_text(json.dumps(job))
+        run_torchrun(
+            ["-m", "isoexec.megatron.distributed_scoring", str(job_file), str(out_file)],
+            tp,
+            env={"ISOEXEC": "0"},
+            timeout_s=timeout_s,
+        )
+        return dict(torch.load(out_file))
+
+
+def _run(job: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from isoexec.contract.options import IsoExecOptions
+    from isoexec.megatron.contract_readback import trainer_contract
+    from isoexec.megatron.model_builder import build_model
+    from isoexec.megatron.parallel import megatron_parallel
+    from isoexec.megatron.scoring import score
+    from isoexec.megatron.weights import load_hf_weights
+
+    out: dict[str, Any] = {}
+    with megatron_parallel(int(job["tp"])):
+        model = build_model(
+            job["model"], isoexec=bool(job["isoexec"]), tp=int(job["tp"]),
+            dtype=getattr(torch, job["dtype"]),
+            options=IsoExecOptions.from_mapping(job.get("options")),
+        )  # fmt: skip
+        load_hf_weights(model, job["model"])
+        hs = job.get("handshake")
+        if hs:
+            from isoexec.contract.handshake.client import HandshakeClient
+
+            contract = trainer_contract(model, job["model"], job["dtype"])
+            token = Path(hs["token_file"]).read_text().strip()
+            with HandshakeClient(hs["address"], token) as client:
+                v = client.offer(hs["run_id"], "trainer", dist.get_rank(), contract)
+            out["verdict"] = {"outcome": v.outcome, "diff": list(v.diff), "hash": contract.hash}
+            if not v.matched:
+                return out  # nothing is scored for a run that did not MATCH
+        out["logprobs"] = [
+            score(model, g["seqs"], temperature=float(g["temperature"])) for g in job["groups"]
+        ]
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch.distributed as dist
+
+    job_file, out_file = argv or sys.argv[1:]
+    dist.init_process_group("gloo", init_method="env://")
+    try:
+        result = _run(json.loads(Path(job_file).read_text()))
+        if dist.get_rank() == 0:
+            torch.save(result, out_file)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
