@@ -215,8 +215,13 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.use_fused_qk_norm_rope_gate:
-            raise UnsupportedSiteError("fused qk-norm/rope/gate kernel is not canonical")
+        self._take_unfused_path()
+
+    def _take_unfused_path(self) -> None:
+        """vLLM turns on its fused q/k-norm + RoPE + gate kernel on CUDA/XPU in bf16/fp16; its
+        bits are not the canonical ops'. The unfused path it falls back to elsewhere runs the
+        q/k norms and RoPE through the layers IsoExec registered (canonical), so take it."""
+        self.use_fused_qk_norm_rope_gate = False
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         qkv, _ = self.qkv_proj(hidden_states)
