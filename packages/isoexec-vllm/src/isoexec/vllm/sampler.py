@@ -8,6 +8,7 @@ Top-k / top-p would mask the distribution in a way the trainer does not reproduc
 
 from __future__ import annotations
 
+import os
 from types import ModuleType
 from typing import Any
 
@@ -20,6 +21,7 @@ from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _SAMPLING_EPS = 1e-5  # vLLM's: below it a request is greedy and its logits are not tempered
 
 
@@ -84,3 +86,7 @@ def install_sampler() -> None:
     import vllm.v1.worker.gpu_model_runner as runner
 
     runner.Sampler = IsoSampler  # type: ignore[misc]
+    # On CUDA vLLM 0.32 defaults to Model Runner V2, which builds its own sampler: select the
+    # V1 runner, whose sampler this is. A user who asks for V2 explicitly keeps it; its
+    # logprobs site then reads back native and the handshake refuses (never a silent MATCH).
+    os.environ.setdefault(V2_RUNNER_ENV, "0")
