@@ -38,3 +38,25 @@ def aligned_logprobs(
             train.append(lp[-len(c.token_ids) :].float())
             eng.append(torch.tensor(c.logprobs, dtype=torch.float32))
     return torch.cat(train), torch.cat(eng)
+
+
+def assert_tp_invariant_match_and_bitwise(
+    mine: list[tuple[dict[str, Any], Any]],
+    engine: Any,
+    sampled: list[Any],
+    temps: list[float],
+    run_id: str,
+) -> None:
+    """The trainer jobs' contract (every site TP-invariant) MATCHes the engine at the
+    handshake, and every sampled token's logprob is bitwise the engine's."""
+    from isoexec.contract.contract import Contract
+    from isoexec.contract.pair import handshake
+
+    contract = Contract.from_bytes(mine[0][1]["contract"])
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    trainer_verdict, engine_verdict = handshake(contract, engine, run_id=run_id)
+    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
+    jobs, results = [j for j, _ in mine], [r for _, r in mine]
+    t, e = aligned_logprobs(sampled, temps, jobs, results)
+    assert t.numel() == sum(len(c.token_ids) for c in sampled) > 0
+    assert torch.equal(t, e), (t - e).abs().max()

@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from _pairing import aligned_logprobs, scoring_jobs
+from _pairing import assert_tp_invariant_match_and_bitwise, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake.server import HandshakeServer
@@ -113,16 +112,10 @@ def test_tp2_engine_matches_and_equals_trainer_bitwise(
                      tensor_parallel_size=2)  # fmt: skip
     mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
             if j["model"] == model and j["tp"] == trainer_tp and "temperature" in j]  # fmt: skip
-    contract = Contract.from_bytes(mine[0][1]["contract"])
-    assert {s.tp for s in contract.sites} == {"invariant"}
-    trainer_verdict, engine_verdict = handshake(
-        contract, engine, run_id=f"engine-tp2-{preset}-{dtype}-trainer-tp{trainer_tp}"
-    )
-    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
-    jobs, results = [j for j, _ in mine], [r for _, r in mine]
-    t, e = aligned_logprobs(tp_run["sampled"][preset, dtype], TEMPS, jobs, results)
-    assert t.numel() == 6 * len(TEMPS)
-    assert torch.equal(t, e), (t - e).abs().max()
+    assert_tp_invariant_match_and_bitwise(
+        mine, engine, tp_run["sampled"][preset, dtype], TEMPS,
+        run_id=f"engine-tp2-{preset}-{dtype}-trainer-tp{trainer_tp}",
+    )  # fmt: skip
 
 
 def test_fail_closed_tp2_engine_with_all_reduce_is_refused(

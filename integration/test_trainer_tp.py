@@ -16,8 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
-from _pairing import aligned_logprobs, scoring_jobs
+from _pairing import assert_tp_invariant_match_and_bitwise, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
@@ -76,15 +75,9 @@ def test_tp2_trainer_equals_tp1_engine_bitwise(
     engine = _engine(engine_pool, model, dtype, TP_INVARIANT)
     mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
             if j["dtype"] == dtype and j["model"] == model]  # fmt: skip
-    contract = Contract.from_bytes(mine[0][1]["contract"])
-    assert {s.tp for s in contract.sites} == {"invariant"}
-    trainer_verdict, engine_verdict = handshake(contract, engine, run_id=f"tp2-{preset}-{dtype}")
-    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
-
-    jobs, results = [j for j, _ in mine], [r for _, r in mine]
-    t, e = aligned_logprobs(tp_run["sampled"][preset, dtype], TEMPS, jobs, results)
-    assert t.numel() == 6 * len(TEMPS)
-    assert torch.equal(t, e), (t - e).abs().max()
+    assert_tp_invariant_match_and_bitwise(
+        mine, engine, tp_run["sampled"][preset, dtype], TEMPS, run_id=f"tp2-{preset}-{dtype}"
+    )
 
 
 def test_engine_without_the_option_refuses_the_tp2_trainer(
