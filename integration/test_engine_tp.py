@@ -158,26 +158,31 @@ def test_negative_control_stock_engine_tp2_differs_from_tp1(
     assert differ > 0
 
 
-@pytest.mark.parametrize("fault_rank", [None, 1])
+@pytest.mark.parametrize(
+    ("trainer_pp", "fault_rank"), [(1, None), (1, 1), (2, None), (2, 3)], ids=str
+)
 def test_every_rank_of_both_sides_offers_and_one_verdict_covers_the_run(
+    trainer_pp: int,
     fault_rank: int | None,
     models: dict[tuple[str, str], str],
     engine_pool: Callable[..., Any],
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
     tmp_path: Path,
 ) -> None:
-    """Trainer TP=2 (torchrun, 2 ranks) and engine TP=2 (2 vLLM workers): four participants,
-    each offering the contract read back from its own model, one verdict for all. With a
-    changed site on trainer rank 1 only (a wider attention tile), every participant, engine
-    workers included, gets MISMATCH and the diff names the site."""
+    """Trainer TP=2 x PP=`trainer_pp` (torchrun, 2 or 4 ranks) and engine TP=2 (2 vLLM
+    workers): every participant offers the contract read back from its own model (a pipeline
+    stage reads its own layers and gathers the others'), one verdict for all. With a changed
+    site on one trainer rank only (a wider attention tile in the last layer; at PP=2 the last
+    stage's), every participant, engine workers included, gets MISMATCH and the diff names
+    the site."""
     token = secrets.token_hex(16)
     token_file = tmp_path / "token"
     token_file.write_text(token)
     engine = _engine(engine_pool, models[DENSE32], "float32", isoexec=True, options=TP_INVARIANT,
                      tensor_parallel_size=2)  # fmt: skip
-    run_id = f"many-ranks-fault-{fault_rank}"
+    run_id = f"many-ranks-pp{trainer_pp}-fault-{fault_rank}"
     got: dict[str, Any] = {}
-    with HandshakeServer({"trainer": 2, "engine": 2}, token) as server:
+    with HandshakeServer({"trainer": 2 * trainer_pp, "engine": 2}, token) as server:
 
         def engine_offers() -> None:
             got["engine"] = engine.call("handshake", server.address, token, run_id)
@@ -185,10 +190,10 @@ def test_every_rank_of_both_sides_offers_and_one_verdict_covers_the_run(
         t = threading.Thread(target=engine_offers, daemon=True)
         t.start()
         hs = {"address": server.address, "token_file": str(token_file), "run_id": run_id}
-        job = {"model": models[DENSE32], "dtype": "float32", "tp": 2, "isoexec": True,
-               "options": TP_INVARIANT.to_dict(), "seqs": [[1, 2, 3]], "handshake": hs,
-               "fault_rank": fault_rank}  # fmt: skip
-        (trainer,) = run_tp_jobs([job], [])
+        job = {"model": models[DENSE32], "dtype": "float32", "tp": 2, "pp": trainer_pp,
+               "isoexec": True, "options": TP_INVARIANT.to_dict(), "seqs": [[1, 2, 3]],
+               "handshake": hs, "fault_rank": fault_rank}  # fmt: skip
+        (trainer,) = run_tp_jobs([job], [], nproc=2 * trainer_pp)
         t.join(timeout=120)
     assert len(got["engine"]) == 2, got
     outcomes = [v["outcome"] for v in got["engine"]] + [trainer["verdict"]["outcome"]]
@@ -217,3 +222,21 @@ def test_pair_checks_a_layout_in_one_command(tmp_path: Path) -> None:
     assert arms["isoexec"]["handshake"].startswith("MATCH")
     assert arms["isoexec"]["bitwise_equal"] == arms["isoexec"]["tokens"] == 24
     assert arms["stock"]["bitwise_equal"] < arms["stock"]["tokens"]
+
+
+def test_pair_with_a_pipelined_trainer(tmp_path: Path) -> None:
+    """`isoexec pair --engine-tp 2 --trainer-tp 2 --trainer-pp 2`: a 4-rank torchrun trainer
+    (two pipeline stages of two TP ranks, Megatron's schedule) against a TP=2 engine; MATCH
+    and every sampled token bitwise."""
+    import json
+
+    from isoexec.contract.cli import main
+
+    out = tmp_path / "pair"
+    args = ["pair", "--preset", "tiny-dense", "--engine-tp", "2", "--trainer-tp", "2",
+            "--trainer-pp", "2", "--arms", "isoexec", "--num-prompts", "4", "--max-tokens", "6",
+            "--out", str(out)]  # fmt: skip
+    assert main(args) == 0
+    (arm,) = json.loads((out / "results.json").read_text())
+    assert arm["handshake"].startswith("MATCH")
+    assert arm["bitwise_equal"] == arm["tokens"] == 24

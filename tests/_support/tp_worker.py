@@ -76,7 +76,7 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
 
     dtype = getattr(torch, job["dtype"])
     out: dict = {}
-    with megatron_parallel(job["tp"]):
+    with megatron_parallel(job["tp"], pp=job.get("pp", 1)):
         model = build_model(
             job["model"],
             isoexec=job["isoexec"],
@@ -85,6 +85,8 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             options=IsoExecOptions.from_mapping(job.get("options")),
         )
         load_hf_weights(model, job["model"])
+        stage = model.isoexec_stage
+        out["stage"] = (stage.rank, stage.size, list(stage.layers), len(model.decoder.layers))
         if job.get("plain_gdn_out_proj"):
             plain_gdn_out_proj(model)
         seqs = job.get("seqs", seqs)
@@ -103,7 +105,7 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
                 out["loss"] = train_step(model, opt, seqs, max_tokens=job.get("max_tokens"))
             out["logprobs_after_step"] = score(model, seqs)
             if job.get("export_after_step"):  # HF layout: comparable with a TP=1 step
-                out["weights_after_step"] = dict(export_hf_weights(model))
+                out["weights_after_step"] = every_stage_export(model)
         if job.get("contract"):
             from isoexec.megatron.contract_readback import trainer_contract
 
@@ -113,10 +115,22 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
     return out
 
 
+def every_stage_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The whole model's exported HF weights: each pipeline stage exports its own tensors and
+    they are gathered over the pipeline group (one stage's export at PP=1)."""
+    from isoexec.megatron.pipeline import gather_over_pipeline
+    from isoexec.megatron.weights import export_hf_weights
+
+    out: dict[str, torch.Tensor] = {}
+    for part in gather_over_pipeline(dict(export_hf_weights(model))):
+        out.update(part)
+    return out
+
+
 def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
     """Every rank offers its own contract (trainer/<rank>) to the job's handshake service and
-    waits for the run's one verdict; `fault_rank` first widens that rank's layer-1 attention
-    tile (a deliberately changed site on one rank only)."""
+    waits for the run's one verdict; `fault_rank` first widens that rank's attention tile in
+    its last layer (a deliberately changed site on one rank only)."""
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.megatron.contract_readback import trainer_contract
 
@@ -125,7 +139,7 @@ def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
         from _faults import widen_attention_tile
 
-        widen_attention_tile(model.decoder.layers[1].self_attention.core_attention)
+        widen_attention_tile(model.decoder.layers[-1].self_attention.core_attention)
     hs = job["handshake"]
     contract = trainer_contract(model, job["model"])
     with HandshakeClient(hs["address"], Path(hs["token_file"]).read_text()) as client:

@@ -69,11 +69,13 @@ def run_arm(
     locate_dir: Path | None = None,
     engine_tp: int = 1,
     trainer_tp: int = 1,
+    trainer_pp: int = 1,
 ) -> ArmResult:
-    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); `trainer_tp` > 1
-    scores on a torchrun world of that many ranks, each offering its own contract. With either
-    above 1 the isoexec arm runs `tp_invariant` on both sides (the only canonical form across
-    TP degrees)."""
+    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); a trainer with
+    `trainer_tp` x `trainer_pp` > 1 scores on a torchrun world of that many ranks (pipeline
+    stages through Megatron's schedule), each offering its own contract. With a TP above 1 the
+    isoexec arm runs `tp_invariant` on both sides (the only canonical form across TP
+    degrees)."""
     import torch
 
     from isoexec.contract.options import IsoExecOptions
@@ -94,13 +96,13 @@ def run_arm(
         model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
         options=options, tensor_parallel_size=engine_tp,
     )  # fmt: skip
-    if trainer_tp > 1:
+    if trainer_tp * trainer_pp > 1:
         if locate_dir is not None:
-            raise ValueError("--locate traces an in-process trainer: use --trainer-tp 1")
+            raise ValueError("--locate traces an in-process trainer: use --trainer-tp/-pp 1")
         with EngineProcess(engine_cfg) as engine:
             return _torchrun_arm(
                 engine, model_dir, dtype, isoexec=isoexec, options=options, tp=trainer_tp,
-                prompts=prompts, temps=temps, max_tokens=max_tokens,
+                pp=trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
             )  # fmt: skip
     with EngineProcess(engine_cfg) as engine, megatron_parallel():
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
@@ -147,11 +149,12 @@ def _torchrun_arm(
     isoexec: bool,
     options: Any,
     tp: int,
+    pp: int,
     prompts: list[list[int]],
     temps: list[float],
     max_tokens: int,
 ) -> ArmResult:
-    """The arm with a TP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
+    """The arm with a TP/PP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
     after each rank offered its own contract, beside every engine worker) score the samples."""
     import tempfile
 
@@ -161,19 +164,19 @@ def _torchrun_arm(
     completions = sample(engine, prompts, temps, max_tokens)
     levels = sorted(set(temps))
     job: dict[str, Any] = {
-        "model": model_dir, "dtype": dtype, "tp": tp, "isoexec": isoexec,
+        "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "isoexec": isoexec,
         "options": options.to_dict(),
         "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
     }  # fmt: skip
     status = "n/a (stock arm)"
     if not isoexec:
-        result = score_on_torchrun(job, tp)
+        result = score_on_torchrun(job, tp * pp)
     else:
         token = secrets.token_hex(16)
         workers = engine.config.tensor_parallel_size
         with (
             tempfile.TemporaryDirectory(prefix="isoexec-pair-") as tmp,
-            HandshakeServer({"trainer": tp, "engine": workers}, token) as server,
+            HandshakeServer({"trainer": tp * pp, "engine": workers}, token) as server,
         ):
             token_file = Path(tmp) / "token"
             token_file.write_text(token)
@@ -187,7 +190,7 @@ def _torchrun_arm(
 
             t = threading.Thread(target=engine_offers, daemon=True)
             t.start()
-            result = score_on_torchrun(job, tp)
+            result = score_on_torchrun(job, tp * pp)
             t.join(timeout=60)
         verdict = result["verdict"]
         if verdict["outcome"] != "MATCH":
@@ -359,6 +362,13 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "offering its own contract); above 1 the isoexec arm runs tp_invariant on both sides",
     )
     p.add_argument(
+        "--trainer-pp",
+        type=int,
+        default=1,
+        help="the trainer's pipeline-parallel degree (Megatron's schedule; the torchrun world "
+        "has trainer-tp x trainer-pp ranks)",
+    )
+    p.add_argument(
         "--locate",
         action="store_true",
         help="if the isoexec arm is not 100%% bitwise, trace both sides and print the first "
@@ -399,6 +409,7 @@ def run(args: argparse.Namespace) -> int:
             locate_dir=out / "locate" if args.locate else None,
             engine_tp=args.engine_tp,
             trainer_tp=args.trainer_tp,
+            trainer_pp=args.trainer_pp,
         )
         for arm in args.arms.split(",")
     ]

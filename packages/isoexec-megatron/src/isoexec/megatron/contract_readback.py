@@ -18,6 +18,7 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.hf_config import HFConfigSource, ModelArch, _read_source, load_hf_config
+from isoexec.megatron.pipeline import gather_over_pipeline, model_stage, stage_owns_site
 
 
 class SiteNotFoundError(RuntimeError):
@@ -101,9 +102,12 @@ def _lookup(modules: Mapping[str, Any], path: str, site: str) -> Any:
 def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, ImplInfo]:
     modules = dict(model.named_modules())
     rotary = getattr(model, "rotary_pos_emb", None)
+    stage = model_stage(model)
     out: dict[str, ImplInfo] = {}
     for site in model_sites(hf_config):
         name, op = site.name, site.op
+        if not stage_owns_site(stage, name):
+            continue  # another pipeline stage's site
         if name == "logprobs":
             out[name] = _impl_of(model, op)
             continue
@@ -111,7 +115,7 @@ def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, Imp
             out[name] = _impl_of(_lookup(modules, _TOP_PATHS[name], name), op)
             continue
         _, idx, rest = name.split(".", 2)
-        prefix = f"decoder.layers.{idx}"
+        prefix = f"decoder.layers.{int(idx) - stage.first_layer}"  # the stage's own numbering
         if rest == "self_attn.rope":
             core = _lookup(modules, f"{prefix}.self_attention.core_attention", name)
             declared = _declared(core, op)
@@ -150,10 +154,18 @@ def _check_model(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> None:
 
 
 def read_sites(model: torch.nn.Module, hf_config: HFConfigSource) -> dict[str, ImplInfo]:
-    """Site name → ImplInfo actually running there, in model order."""
+    """Site name → ImplInfo actually running there, in model order.
+
+    A pipeline stage (PP>1) reads the sites of its own modules and gathers the other stages'
+    readings over the pipeline group, so every stage returns the whole model's sites (a
+    collective: every stage must call it).
+    """
     cfg = _read_source(hf_config)
     _check_model(model, cfg)
-    return _read(model, cfg)
+    out: dict[str, ImplInfo] = {}
+    for part in gather_over_pipeline(_read(model, cfg)):
+        out.update(part)
+    return out
 
 
 def verify_installed(model: torch.nn.Module) -> None:

@@ -515,6 +515,39 @@ def shim_gated_delta_net_on_cpu() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# 11. Pipeline parallelism (PP>1 over gloo): p2p buffers and the schedule's token counter
+# --------------------------------------------------------------------------------------------
+
+
+class _TorchForCpuPipeline(_TorchWithCpuCurrentDevice):
+    """`_TorchWithCpuCurrentDevice`, plus `torch.zeros(..., device="cuda")` made on the CPU."""
+
+    @staticmethod
+    def zeros(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs["device"] = "cpu"
+        return torch.zeros(*args, **kwargs)
+
+
+def shim_pipeline_on_cpu() -> None:
+    """Let Megatron's pipeline schedules and p2p communication run on CPU tensors.
+
+    Why: `P2PCommunicator` allocates its receive buffers (and the shape messages of variable
+    sequence lengths) with `device=torch.cuda.current_device()`, and the 1F1B / no-pipelining
+    schedules count tokens in `torch.zeros([], device="cuda")`. Only the `torch` global of
+    `megatron.core.pipeline_parallel.{p2p_communication,schedules}` is replaced, by a view of
+    torch whose `cuda.current_device()` is "cpu" and whose `zeros` maps a CUDA device to the
+    CPU; every other attribute is torch's own. The tensors sent are the model's, unchanged.
+    """
+    from megatron.core.pipeline_parallel import p2p_communication as p2p
+    from megatron.core.pipeline_parallel import schedules
+
+    for mod in (p2p, schedules):
+        if not isinstance(mod.torch, _TorchForCpuPipeline):
+            mod.torch = _TorchForCpuPipeline()  # type: ignore[assignment]
+
+
+# --------------------------------------------------------------------------------------------
 
 _SHIMS: tuple[Callable[[], None], ...] = (
     shim_disable_jit_fuser,
@@ -528,6 +561,7 @@ _SHIMS: tuple[Callable[[], None], ...] = (
     shim_torch_norm_zero_centered_gamma,
     shim_gated_delta_net_without_fla,
     shim_gated_delta_net_on_cpu,
+    shim_pipeline_on_cpu,
 )
 
 # Shims that must be re-run when more Megatron modules have been imported since.

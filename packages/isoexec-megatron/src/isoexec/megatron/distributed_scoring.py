@@ -1,12 +1,13 @@
 """Score sequences with a Megatron trainer at TP>1 on a real torchrun world.
 
-`score_on_torchrun(job, tp)` is what `isoexec pair --trainer-tp N` runs: every rank builds the
-model at the job's TP and loads the checkpoint; with a handshake in the job, every rank offers
+`score_on_torchrun(job, nproc)` is what `isoexec pair --trainer-tp N --trainer-pp M` runs
+(nproc = N x M): every rank builds its part of the model at the job's TP and PP (a pipeline
+stage holds its own layers) and loads the checkpoint; with a handshake in the job, every rank offers
 the contract read back from its own model (trainer/<rank>) and waits for the run's verdict;
 then the ranks score each group of sequences at its temperature, and rank 0 returns the
 logprobs. Run as `python -m isoexec.megatron.distributed_scoring JOB_JSON OUT_PT` by torchrun.
 
-The job (JSON): model, dtype, tp, isoexec, options (IsoExecOptions mapping), groups
+The job (JSON): model, dtype, tp, pp (default 1), isoexec, options (IsoExecOptions mapping), groups
 ([{"temperature": t, "seqs": [[ids]]}]), and optionally handshake ({"address", "token_file",
 "run_id"}: the token is read from a file, never from argv).
 """
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 
 
-def score_on_torchrun(job: dict[str, Any], tp: int, *, timeout_s: float = 900.0) -> dict[str, Any]:
-    """Run `job` on a `tp`-rank torchrun world; rank 0's result (see the module doc)."""
+def score_on_torchrun(
+    job: dict[str, Any], nproc: int, *, timeout_s: float = 900.0
+) -> dict[str, Any]:
+    """Run `job` on an `nproc`-rank torchrun world; rank 0's result (see the module doc)."""
     from isoexec.megatron.torchrun import run_torchrun
 
     with tempfile.TemporaryDirectory(prefix="isoexec-score-") as tmp:
@@ -31,7 +34,7 @@ def score_on_torchrun(job: dict[str, Any], tp: int, *, timeout_s: float = 900.0)
         job_file.write_text(json.dumps(job))
         run_torchrun(
             ["-m", "isoexec.megatron.distributed_scoring", str(job_file), str(out_file)],
-            tp,
+            nproc,
             env={"ISOEXEC": "0"},
             timeout_s=timeout_s,
         )
@@ -49,7 +52,7 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     from isoexec.megatron.weights import load_hf_weights
 
     out: dict[str, Any] = {}
-    with megatron_parallel(int(job["tp"])):
+    with megatron_parallel(int(job["tp"]), pp=int(job.get("pp", 1))):
         model = build_model(
             job["model"], isoexec=bool(job["isoexec"]), tp=int(job["tp"]),
             dtype=getattr(torch, job["dtype"]),

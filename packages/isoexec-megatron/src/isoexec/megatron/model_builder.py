@@ -152,6 +152,7 @@ def transformer_config(
     sub: Submodules | None = None,
     tp_leaves: int | None = None,
     backend: str = "torch",
+    pp: int = 1,
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -184,6 +185,11 @@ def transformer_config(
         attention_dropout=arch.attention_dropout,
         tensor_model_parallel_size=tp,
         sequence_parallel=False,
+        # PP>1: stages exchange hidden states in the model dtype, one p2p op at a time (gloo
+        # has no batched isend/irecv).
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        batch_p2p_comm=False,
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
@@ -568,6 +574,12 @@ def build_model(
             "in_proj/conv1d is not mapped for weight load/export); isoexec=True with "
             "IsoExecOptions(tp_invariant=True) runs GDN hybrids at TP>1"
         )
+    if ps.get_pipeline_model_parallel_world_size() > 1 and arch.tie_word_embeddings:
+        raise NotImplementedError(
+            f"build_model: {arch.architecture} ties its embeddings; at PP>1 the first and last "
+            "stage would each hold a copy whose gradients must be summed per unit in a fixed "
+            "order, which is not wired: run tied models at PP=1"
+        )
     if not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
 
@@ -575,19 +587,23 @@ def build_model(
 
     spec = block_spec(arch, sub)  # first: refuses what these modules cannot build
     from isoexec.contract.ops.gemm import DEFAULT_TP_LEAVES
+    from isoexec.megatron.pipeline import current_stage
 
     leaves = DEFAULT_TP_LEAVES if tp_invariant else None
+    pp = ps.get_pipeline_model_parallel_world_size()
     config = transformer_config(
-        arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend
+        arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp
     )
+    stage = current_stage(config)
+    spec.layer_specs = spec.layer_specs[stage.first_layer : stage.first_layer + stage.num_layers]
     model_cls = sub.model or GPTModel
     model = model_cls(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=arch.vocab_size,
         max_sequence_length=arch.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=stage.pre_process,
+        post_process=stage.post_process,
         share_embeddings_and_output_weights=arch.tie_word_embeddings,
         position_embedding_type="none" if sub.rope_in_core_attention else "rope",
         rotary_percent=arch.partial_rotary_factor,  # unused with RoPE in the core attention
@@ -596,6 +612,7 @@ def build_model(
     _norms_to_model_dtype(model, dtype)
     model.isoexec_arch = arch  # the facts it was built from, for weights/scoring/contract
     model.isoexec_mode = isoexec
+    model.isoexec_stage = stage  # the layers it holds (all of them at PP=1)
     if isoexec:
         from isoexec.megatron.contract_readback import verify_installed
 

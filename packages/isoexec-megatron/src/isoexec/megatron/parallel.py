@@ -31,6 +31,7 @@ class ParallelInfo:
     world_size: int
     rank: int
     tp: int
+    pp: int
     backend: str
     shims: tuple[str, ...]
     owns_process_group: bool
@@ -54,9 +55,10 @@ def _init_process_group(backend: str) -> bool:
 
 @contextmanager
 def megatron_parallel(
-    tp: int = 1, *, seed: int = 1234, device: str = "cpu"
+    tp: int = 1, *, pp: int = 1, seed: int = 1234, device: str = "cpu"
 ) -> Iterator[ParallelInfo]:
-    """Context manager: torch.distributed (gloo) + Megatron parallel_state with TP=`tp`, PP=1.
+    """Context manager: torch.distributed (gloo) + Megatron parallel_state with TP=`tp`,
+    PP=`pp`; the rest of the world is data parallel.
 
     On entry it applies the CPU shims (explicitly, here, because every Megatron model built
     inside needs them), initialises the process group if none exists, initialises
@@ -80,11 +82,11 @@ def megatron_parallel(
     owns = _init_process_group("gloo")
     try:
         world = dist.get_world_size()
-        if tp < 1 or world % tp != 0:
-            raise ValueError(f"tp={tp} must be >= 1 and divide the world size {world}")
+        if tp < 1 or pp < 1 or world % (tp * pp) != 0:
+            raise ValueError(f"tp={tp} x pp={pp} must be >= 1 and divide the world size {world}")
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=1,
+            pipeline_model_parallel_size=pp,
             # Experts whole on every TP rank: the canonical MoE combine runs on whole experts.
             expert_tensor_parallel_size=1,
         )
@@ -94,6 +96,7 @@ def megatron_parallel(
                 world_size=world,
                 rank=dist.get_rank(),
                 tp=tp,
+                pp=pp,
                 backend="gloo",
                 shims=shims,
                 owns_process_group=owns,

@@ -14,16 +14,23 @@ sequence of token ids t_0..t_{n-1} it returns log p(t_{i+1} | t_0..t_i) for i = 
 - native model: one forward per sequence with batch size 1 (Megatron's local
   `DotProductAttention` and its `GatedDeltaNet` refuse packed sequences); fp32 log-softmax +
   gather.
+
+At PP>1 each forward (and `train_step`'s backward) runs through Megatron's pipeline schedule
+(`isoexec.megatron.pipeline.run_schedule`), one packed unit per call; every stage returns the
+last stage's logprobs. Stages pass hidden states unchanged, so the bits are PP=1's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from isoexec.contract import ops
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
+from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
 
 TokenSeq = Sequence[int] | torch.Tensor
 
@@ -86,6 +93,10 @@ def _full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def _pipelined(model: torch.nn.Module) -> bool:
+    return model_stage(model).size > 1
+
+
 def _forward_logprobs(
     model: torch.nn.Module, ids: torch.Tensor, temperature: float
 ) -> torch.Tensor:
@@ -93,8 +104,17 @@ def _forward_logprobs(
     device = next(model.parameters()).device
     input_ids = ids.to(device).unsqueeze(0)  # [1, n]
     position_ids = torch.arange(ids.numel(), device=device).unsqueeze(0)
-    logits = _full_vocab(model, model(input_ids, position_ids, attention_mask=None))  # [1, n, V]
-    return token_logprobs(logits[0], input_ids[0], temperature)
+    inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
+
+    def logprobs(logits: torch.Tensor) -> torch.Tensor:  # [1, n, V]
+        return token_logprobs(_full_vocab(model, logits)[0], input_ids[0], temperature)
+
+    if not _pipelined(model):
+        return logprobs(model(**inputs))
+    lp = run_schedule(
+        model, inputs, ids.numel(), lambda lg: (lg.sum() * 0, logprobs(lg)), forward_only=True
+    )
+    return broadcast_from_last_stage(lp)
 
 
 def _packs(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
@@ -117,18 +137,20 @@ def _packs(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
     return packs
 
 
-def packed_logprobs(
-    model: torch.nn.Module,
-    seqs: list[torch.Tensor],
-    temperature: float = 1.0,
-    *,
-    pad_to_multiple: int | None = None,
-) -> list[torch.Tensor]:
-    """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
+@dataclass(frozen=True)
+class _Pack:
+    """One packed forward's inputs, and which logit rows predict which next token."""
 
-    Keeps the autograd graph (used by `train_step`). Padding, if asked, is one extra dummy
-    sequence of token 0 at the end, so it is its own attention segment.
-    """
+    inputs: dict[str, Any]
+    length: int
+    rows: torch.Tensor
+    nxt: torch.Tensor
+    lens: list[int]
+
+
+def _pack(model: torch.nn.Module, seqs: list[torch.Tensor], pad_to_multiple: int | None) -> _Pack:
+    """Pack `seqs` into one [1, T] batch (padding, if asked, is one extra dummy sequence of
+    token 0 at the end, so it is its own attention segment)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     device = next(model.parameters()).device
@@ -151,21 +173,78 @@ def packed_logprobs(
         max_seqlen_q=max(bounds),
         max_seqlen_kv=max(bounds),
     )
-    logits = _full_vocab(
-        model,
-        model(
-            ids.unsqueeze(0), positions.unsqueeze(0), attention_mask=None, packed_seq_params=params
-        ),
-    )[0]  # [T, vocab]
     # Rows predicting a next token of the same sequence, and that token.
     rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu.tolist(), lens, strict=False)])
     nxt = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(cu.tolist(), lens, strict=False)])
+    inputs = {
+        "input_ids": ids.unsqueeze(0),
+        "position_ids": positions.unsqueeze(0),
+        "attention_mask": None,
+        "packed_seq_params": params,
+    }
+    return _Pack(inputs, int(ids.numel()), rows.to(device), ids[nxt.to(device)], lens)
+
+
+def _pack_logprobs(
+    model: torch.nn.Module, pack: _Pack, logits: torch.Tensor, temperature: float
+) -> list[torch.Tensor]:
+    """Per sequence fp32 [n-1] logprobs from the pack's [1, T, vocab(/TP)] logits."""
+    lp = model.isoexec_ops.token_logprobs(  # the backend the model's sites run
+        _full_vocab(model, logits)[0][pack.rows], pack.nxt, temperature=temperature
+    )
+    return list(lp.split([n - 1 for n in pack.lens]))
+
+
+def packed_logprobs(
+    model: torch.nn.Module,
+    seqs: list[torch.Tensor],
+    temperature: float = 1.0,
+    *,
+    pad_to_multiple: int | None = None,
+) -> list[torch.Tensor]:
+    """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
+
+    Keeps the autograd graph (used by `train_step` and `policy_logprobs`). At PP>1 it runs
+    through the pipeline schedule, forward only, and returns detached logprobs.
+    """
     if not is_isoexec(model):
         raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
-    lp = model.isoexec_ops.token_logprobs(  # the backend the model's sites run
-        logits[rows.to(device)], ids[nxt.to(device)], temperature=temperature
+    pack = _pack(model, seqs, pad_to_multiple)
+    if not _pipelined(model):
+        return _pack_logprobs(model, pack, model(**pack.inputs), temperature)
+
+    def last(logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        lps = _pack_logprobs(model, pack, logits, temperature)
+        return logits.sum() * 0, [lp.detach() for lp in lps]
+
+    return broadcast_from_last_stage(
+        run_schedule(model, pack.inputs, pack.length, last, forward_only=True)
     )
-    return list(lp.split([n - 1 for n in lens]))
+
+
+def _pipeline_unit_grads(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    seqs: list[torch.Tensor],
+    total: int,
+) -> tuple[list[torch.Tensor | None], float]:
+    """One unit's gradients of `-sum(logprobs) / total` at PP>1, and its loss: forward and
+    backward through Megatron's schedule, the gradients read from `.grad` (zeroed first)."""
+    for p in params:
+        p.grad = None
+    pack = _pack(model, seqs, None)
+
+    def last(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
+        loss = -torch.cat(_pack_logprobs(model, pack, logits, 1.0)).sum() / total
+        return loss, float(loss.detach())
+
+    loss = broadcast_from_last_stage(
+        run_schedule(model, pack.inputs, pack.length, last, forward_only=False)
+    )
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    return grads, float(loss)
 
 
 def score(
@@ -237,8 +316,10 @@ def train_step(
     iso = is_isoexec(model)
     if not iso and max_tokens is not None:
         raise ValueError("max_tokens packs sequences: isoexec models only")
-    if not iso and dp > 1:
-        raise NotImplementedError("train_step: data parallelism for native models is not wired")
+    if not iso and (dp > 1 or _pipelined(model)):
+        raise NotImplementedError(
+            "train_step: data and pipeline parallelism for native models are not wired"
+        )
     model.train()
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
@@ -251,7 +332,13 @@ def train_step(
             if unit >= len(packs):  # padding to a power of two: an empty unit
                 tree.push(None)
                 continue
-            lps = packed_logprobs(model, [kept[i] for i in packs[unit]])
+            unit_seqs = [kept[i] for i in packs[unit]]
+            if _pipelined(model):
+                grads, unit_loss = _pipeline_unit_grads(model, params, unit_seqs, total)
+                tree.push(grads)
+                loss_sum += unit_loss
+                continue
+            lps = packed_logprobs(model, unit_seqs)
             loss = -torch.cat(lps).sum() / total
             tree.push(torch.autograd.grad(loss, params, allow_unused=True))
             loss_sum += float(loss.detach())

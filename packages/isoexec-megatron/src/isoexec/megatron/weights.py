@@ -36,7 +36,10 @@ layers (`param_mappings(arch, native=True)`; everything else maps as above):
   by identity; `A_log` in the model dtype, as Megatron allocates it.
 
 At TP>1 the mappings still describe the full layout; `tp_layout` slices it per rank on load
-and gathers it back on export (a collective: every TP rank must export together).
+and gathers it back on export (a collective: every TP rank must export together). At PP>1 a
+stage maps only its own parameters (`stage_mappings`): its layers renumbered from 0, the
+embedding on the first stage, the final norm and output layer on the last. A load still checks
+the checkpoint against the whole model; an export yields the stage's own tensors.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from isoexec.megatron.hf_config import ModelArch
+from isoexec.megatron.pipeline import PipelineStage, model_stage
 from isoexec.megatron.tp_layout import ShardSpec, gather_full, local_shard, shard_spec
 
 
@@ -296,6 +300,28 @@ def param_mappings(arch: ModelArch, *, native: bool = False) -> list[ParamMappin
     return maps
 
 
+def stage_mappings(maps: list[ParamMapping], stage: PipelineStage) -> list[ParamMapping]:
+    """The mappings of one pipeline stage's parameters (all of `maps` at PP=1): layer `i` of
+    the model is `decoder.layers.{i - first_layer}` on its stage, the embedding lives on the
+    first stage, the final norm and output layer on the last."""
+    if stage.size == 1:
+        return maps
+    out: list[ParamMapping] = []
+    for m in maps:
+        name = m.megatron_name
+        if name.startswith("decoder.layers."):
+            _, _, idx, rest = name.split(".", 3)
+            if int(idx) in stage.layers:
+                local = f"decoder.layers.{int(idx) - stage.first_layer}.{rest}"
+                out.append(ParamMapping(local, m.hf_names, m.to_megatron, m.to_hf))
+        elif name.startswith("embedding."):
+            if stage.pre_process:
+                out.append(m)
+        elif stage.post_process:
+            out.append(m)
+    return out
+
+
 def _model_arch(model: torch.nn.Module) -> ModelArch:
     arch = getattr(model, "isoexec_arch", None)
     if not isinstance(arch, ModelArch):
@@ -315,7 +341,8 @@ def _checked_mappings(
 ) -> tuple[list[ParamMapping], dict[str, torch.nn.Parameter]]:
     """The mappings, verified to cover the model's parameters exactly (no more, no less)."""
     arch = _model_arch(model)
-    maps = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
+    full = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
+    maps = stage_mappings(full, model_stage(model))
     params = dict(model.named_parameters())
     mapped = {m.megatron_name for m in maps}
     if mapped != set(params):
@@ -377,6 +404,8 @@ def load_hf_weights(
     maps, params = _checked_mappings(model)
     arch = _model_arch(model)
     hf = dict(source) if isinstance(source, Mapping) else read_hf_state_dict(source)
+    # The checkpoint is checked against the whole model, whatever part of it this stage holds.
+    every = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
 
     if arch.tie_word_embeddings and "lm_head.weight" in hf:
         lm_head = hf.pop("lm_head.weight")
@@ -386,7 +415,7 @@ def load_hf_weights(
                 "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
             )
 
-    expected = {name for m in maps for name in m.hf_names}
+    expected = {name for m in every for name in m.hf_names}
     missing, unexpected = sorted(expected - set(hf)), sorted(set(hf) - expected)
     if missing or unexpected:
         raise CheckpointMismatchError(
@@ -457,4 +486,5 @@ __all__: list[str] = [
     "param_mappings",
     "read_hf_state_dict",
     "save_hf_safetensors",
+    "stage_mappings",
 ]
