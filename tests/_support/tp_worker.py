@@ -76,7 +76,7 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
 
     dtype = getattr(torch, job["dtype"])
     out: dict = {}
-    with megatron_parallel(job["tp"], pp=job.get("pp", 1)):
+    with megatron_parallel(job["tp"], pp=job.get("pp", 1), ep=job.get("ep", 1)):
         model = build_model(
             job["model"],
             isoexec=job["isoexec"],
@@ -87,10 +87,21 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
         load_hf_weights(model, job["model"])
         stage = model.isoexec_stage
         out["stage"] = (stage.rank, stage.size, list(stage.layers), len(model.decoder.layers))
+        experts = {n.split("local_experts.")[1].split(".")[0] for n, _ in model.named_parameters()
+                   if "local_experts." in n}  # fmt: skip
+        out["local_experts"] = len(experts)  # routed experts this rank holds (EP splits them)
         if job.get("plain_gdn_out_proj"):
             plain_gdn_out_proj(model)
         seqs = job.get("seqs", seqs)
-        out["logprobs"] = score(model, seqs, job.get("temperature", 1.0))
+        if "seqs_by_rank" in job:  # each rank scores its own sequences (EP: different tokens)
+            seqs = job["seqs_by_rank"][dist.get_rank()]
+        out["logprobs"] = score(
+            model, seqs, job.get("temperature", 1.0), max_tokens=job.get("score_max_tokens")
+        )
+        if "seqs_by_rank" in job:
+            by_rank: list = [None] * dist.get_world_size()
+            dist.all_gather_object(by_rank, out["logprobs"])
+            out["logprobs_by_rank"] = by_rank
         if job.get("round_trip"):
             ref = read_hf_state_dict(job["model"])
             exported = dict(export_hf_weights(model))

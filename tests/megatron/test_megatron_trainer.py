@@ -36,10 +36,11 @@ EXPECTED_SHIMS = {
     "shim_router_gating_on_cpu",
     "shim_moe_utils_without_te",
     "shim_cpu_rng_tracker",
-    "shim_tp_gather_on_cpu",
+    "shim_tp_mappings_on_cpu",
     "shim_torch_norm_zero_centered_gamma",
     "shim_gated_delta_net_without_fla",
     "shim_gated_delta_net_on_cpu",
+    "shim_pipeline_on_cpu",
 }
 
 

@@ -124,3 +124,31 @@ def test_backward_matches_float64():
         return out
 
     assert_grads_match_float64(lambda x, a, b: moe_combine(x, w, ids, a, b), ref, (x, w13, w2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_expert_split_outputs_reassemble_exactly(dtype):
+    """Expert parallelism's exchange: each half of the experts fills its slots and leaves -0.0
+    elsewhere; the halves' sum (either order) is the whole-expert output bit for bit, signed
+    zeros included, and `moe_combine(expert_out=...)` on it equals `moe_combine`."""
+    from isoexec.contract.ops import moe_experts
+
+    w13, w2, wr, sh13, sh2, shg = _weights(dtype)
+    x = torch.randn(37, HID, generator=torch.Generator().manual_seed(3)).to(dtype)
+    w, ids = moe_router(x.float() @ wr.float().T, TOPK, renormalize=True)
+    whole = moe_experts(x, ids, w13, w2)
+    lo = moe_experts(x, ids, w13[: E // 2], w2[: E // 2], first_expert=0)
+    hi = moe_experts(x, ids, w13[E // 2 :], w2[E // 2 :], first_expert=E // 2)
+    for total in (lo + hi, hi + lo):
+        assert torch.equal(total, whole)
+        assert torch.equal(torch.signbit(total), torch.signbit(whole))
+    assert torch.equal(
+        torch.signbit(lo[ids >= E // 2]), torch.ones_like(lo[ids >= E // 2], dtype=torch.bool)
+    )
+    kw = dict(shared_w13=sh13, shared_w2=sh2, shared_gate_w=shg)
+    assert torch.equal(
+        moe_combine(x, w, ids, w13, w2, expert_out=lo + hi, **kw),
+        moe_combine(x, w, ids, w13, w2, **kw),
+    )
+    # A slot whose expert output is +0.0 keeps it: -0.0 + 0.0 is +0.0, not -0.0.
+    assert torch.equal(torch.signbit(torch.tensor(-0.0) + torch.tensor(0.0)), torch.tensor(False))

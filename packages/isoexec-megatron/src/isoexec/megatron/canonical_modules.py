@@ -501,11 +501,9 @@ class IsoSequentialMLP(SequentialMLP):
 
     def __init__(self, num_local_experts: int, config: TransformerConfig, **kwargs: Any) -> None:
         super().__init__(num_local_experts, config, **kwargs)
-        if num_local_experts != config.num_moe_experts:
-            raise CanonicalSiteError(
-                f"expert parallelism ({num_local_experts} of {config.num_moe_experts} experts "
-                "local) is not canonical yet"
-            )
+        # Expert parallelism: this rank holds experts first_expert .. (Megatron's split).
+        ep_rank = self.ep_group.rank() if self.ep_group is not None else 0
+        self.first_expert = ep_rank * num_local_experts
         etp = config.expert_tensor_parallel_size
         if etp not in (None, 1):
             raise CanonicalSiteError(
@@ -531,6 +529,11 @@ class IsoSequentialMLP(SequentialMLP):
         """`shared`: `shared_w13`, `shared_w2`, `shared_gate_w` of `ops.moe_combine`."""
         w13, w2 = self.stacked_weights()
         return self.ops.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
+
+    def local_outputs(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """[T, k, H] outputs of this rank's experts, -0.0 in slots routed to other ranks."""
+        w13, w2 = self.stacked_weights()
+        return self.ops.moe_experts(x, topk_ids, w13, w2, first_expert=self.first_expert)
 
 
 class IsoSharedExpertMLP(SharedExpertMLP):
@@ -587,7 +590,9 @@ class IsoMoELayer(MoELayer):
     """MoE block: route and combine canonically on [T, H], no token dispatcher.
 
     Every token's result depends only on its own row (canonical linear is row-invariant, the
-    combine is a fixed ascending-expert sum), so packing and padding cannot change it.
+    combine is a fixed ascending-expert sum), so packing and padding cannot change it. At
+    EP>1 the routed experts' per-slot outputs are exchanged over the EP group
+    (`expert_parallel`), and the combine stays local and canonical.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -619,7 +624,14 @@ class IsoMoELayer(MoELayer):
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, ids = self.router(x)
         shared = self.shared_experts.combine_kwargs() if self.use_shared_expert else {}
-        out = self.experts(x, weights, ids, **shared)
+        if self.ep_group is None or self.ep_group.size() == 1:
+            out = self.experts(x, weights, ids, **shared)
+        else:
+            from isoexec.megatron.expert_parallel import exchange_expert_outputs
+
+            y = exchange_expert_outputs(x, ids, self.experts.local_outputs, self.ep_group)
+            w13, w2 = self.experts.stacked_weights()  # unused: the outputs are given
+            out = self.experts.ops.moe_combine(x, weights, ids, w13, w2, expert_out=y, **shared)
         return out.reshape(hidden_states.shape), None
 
 

@@ -338,33 +338,24 @@ def shim_cpu_rng_tracker() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 8. Tensor-parallel gather (TP>1 over gloo)
+# 8. Tensor- and expert-parallel mappings (TP>1, EP>1 over gloo)
 # --------------------------------------------------------------------------------------------
 
 
-def shim_tp_gather_on_cpu() -> None:
-    """Replace `mappings._gather_along_last_dim` with the 0.16.1 body, allocating on the input's
-    device.
+def shim_tp_mappings_on_cpu() -> None:
+    """Let Megatron's tensor-parallel communication mappings allocate on the CPU.
 
     Why: at TP>1 the gathered output of a column-parallel layer (the lm head's vocab, the
-    TP-invariant linear's leaves) is allocated with `device=torch.cuda.current_device()`. The
-    autograd functions call this module-level name, so replacing it covers them. The other
-    CUDA allocations in `mappings` are sequence-parallel / all-to-all paths the CPU trainer
-    does not build (sequence_parallel=False).
+    TP-invariant linear's leaves), and at EP>1 the expert exchange's all-gather and
+    reduce-scatter over the expert group, are allocated with
+    `device=torch.cuda.current_device()`. Only the `torch` global of
+    `megatron.core.tensor_parallel.mappings` is replaced, by a view of torch whose
+    `cuda.current_device()` is "cpu"; the collectives and every other attribute are upstream's.
     """
     from megatron.core.tensor_parallel import mappings
 
-    def _gather_along_last_dim(input_: torch.Tensor, group: Any) -> torch.Tensor:
-        world_size = group.size()
-        if world_size == 1:
-            return input_
-        dim_size = list(input_.size())
-        dim_size[0] = dim_size[0] * world_size
-        output = torch.empty(dim_size, dtype=input_.dtype, device=input_.device)
-        mappings.dist_all_gather_func(output, input_.contiguous(), group=group)
-        return torch.cat(output.chunk(world_size, dim=0), dim=-1).contiguous()
-
-    mappings._gather_along_last_dim = _gather_along_last_dim
+    if not isinstance(mappings.torch, _TorchWithCpuCurrentDevice):
+        mappings.torch = _TorchWithCpuCurrentDevice()  # type: ignore[assignment]
 
 
 # --------------------------------------------------------------------------------------------
@@ -557,7 +548,7 @@ _SHIMS: tuple[Callable[[], None], ...] = (
     shim_router_gating_on_cpu,
     shim_moe_utils_without_te,
     shim_cpu_rng_tracker,
-    shim_tp_gather_on_cpu,
+    shim_tp_mappings_on_cpu,
     shim_torch_norm_zero_centered_gamma,
     shim_gated_delta_net_without_fla,
     shim_gated_delta_net_on_cpu,

@@ -153,6 +153,7 @@ def transformer_config(
     tp_leaves: int | None = None,
     backend: str = "torch",
     pp: int = 1,
+    ep: int = 1,
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -230,6 +231,7 @@ def transformer_config(
             moe_permute_fusion=False,
             moe_router_fusion=False,
             expert_tensor_parallel_size=1,  # as megatron_parallel() sets it
+            expert_model_parallel_size=ep,
         )
         if arch.moe.shared_expert_intermediate_size:
             kwargs.update(
@@ -591,9 +593,11 @@ def build_model(
 
     leaves = DEFAULT_TP_LEAVES if tp_invariant else None
     pp = ps.get_pipeline_model_parallel_world_size()
+    ep = ps.get_expert_model_parallel_world_size()
     config = transformer_config(
-        arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp
-    )
+        arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp,
+        ep=ep if arch.is_moe else 1,
+    )  # fmt: skip
     stage = current_stage(config)
     spec.layer_specs = spec.layer_specs[stage.first_layer : stage.first_layer + stage.num_layers]
     model_cls = sub.model or GPTModel

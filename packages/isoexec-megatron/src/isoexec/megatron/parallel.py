@@ -32,6 +32,7 @@ class ParallelInfo:
     rank: int
     tp: int
     pp: int
+    ep: int
     backend: str
     shims: tuple[str, ...]
     owns_process_group: bool
@@ -55,10 +56,11 @@ def _init_process_group(backend: str) -> bool:
 
 @contextmanager
 def megatron_parallel(
-    tp: int = 1, *, pp: int = 1, seed: int = 1234, device: str = "cpu"
+    tp: int = 1, *, pp: int = 1, ep: int = 1, seed: int = 1234, device: str = "cpu"
 ) -> Iterator[ParallelInfo]:
     """Context manager: torch.distributed (gloo) + Megatron parallel_state with TP=`tp`,
-    PP=`pp`; the rest of the world is data parallel.
+    PP=`pp`; the rest of the world is data parallel, and expert parallel (EP=`ep`) within
+    it, as Megatron lays it out.
 
     On entry it applies the CPU shims (explicitly, here, because every Megatron model built
     inside needs them), initialises the process group if none exists, initialises
@@ -87,6 +89,7 @@ def megatron_parallel(
         ps.initialize_model_parallel(
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
+            expert_model_parallel_size=ep,
             # Experts whole on every TP rank: the canonical MoE combine runs on whole experts.
             expert_tensor_parallel_size=1,
         )
@@ -97,6 +100,7 @@ def megatron_parallel(
                 rank=dist.get_rank(),
                 tp=tp,
                 pp=pp,
+                ep=ep,
                 backend="gloo",
                 shims=shims,
                 owns_process_group=owns,

@@ -93,6 +93,31 @@ def _full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
     return full
 
 
+def _model_is_moe(model: torch.nn.Module) -> bool:
+    arch = getattr(model, "isoexec_arch", None)
+    return bool(getattr(arch, "is_moe", False))
+
+
+def _check_equal_forwards_over_ep(model: torch.nn.Module, forwards: int) -> None:
+    """At EP>1 every MoE layer forward is a collective over the EP group: refuse (on every
+    rank alike) a call whose ranks would run different numbers of forwards, which would hang."""
+    from megatron.core import parallel_state as ps
+
+    if not _model_is_moe(model) or not ps.model_parallel_is_initialized():
+        return
+    if ps.get_expert_model_parallel_world_size() == 1:
+        return
+    counts: list[int] = [0] * ps.get_expert_model_parallel_world_size()
+    torch.distributed.all_gather_object(
+        counts, forwards, group=ps.get_expert_model_parallel_group()
+    )
+    if len(set(counts)) > 1:
+        raise ValueError(
+            f"score at EP>1: the expert-parallel ranks would run {counts} forwards; every "
+            "rank must run as many (same number of packs, or of sequences for native models)"
+        )
+
+
 def _pipelined(model: torch.nn.Module) -> bool:
     return model_stage(model).size > 1
 
@@ -274,9 +299,12 @@ def score(
     try:
         with torch.no_grad():
             if not iso:
+                _check_equal_forwards_over_ep(model, len(all_ids))
                 return [_forward_logprobs(model, ids, t).cpu() for ids in all_ids]
             out: list[torch.Tensor] = [torch.empty(0)] * len(all_ids)
-            for pack in _packs([int(i.numel()) for i in all_ids], max_tokens):
+            packs = _packs([int(i.numel()) for i in all_ids], max_tokens)
+            _check_equal_forwards_over_ep(model, len(packs))
+            for pack in packs:
                 lps = packed_logprobs(
                     model, [all_ids[i] for i in pack], t, pad_to_multiple=pad_to_multiple
                 )
@@ -316,6 +344,12 @@ def train_step(
     iso = is_isoexec(model)
     if not iso and max_tokens is not None:
         raise ValueError("max_tokens packs sequences: isoexec models only")
+    if parallel and ps.get_expert_model_parallel_world_size() > 1 and _model_is_moe(model):
+        raise NotImplementedError(
+            "train_step at EP>1: the backward of the expert exchange sums each token's "
+            "gradient from the ranks holding its experts in an EP-dependent order, so the step "
+            "would not be bitwise EP=1's; train at EP=1 (scoring at EP>1 is bitwise)"
+        )
     if not iso and (dp > 1 or _pipelined(model)):
         raise NotImplementedError(
             "train_step: data and pipeline parallelism for native models are not wired"

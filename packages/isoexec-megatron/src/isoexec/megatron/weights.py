@@ -37,9 +37,10 @@ layers (`param_mappings(arch, native=True)`; everything else maps as above):
 
 At TP>1 the mappings still describe the full layout; `tp_layout` slices it per rank on load
 and gathers it back on export (a collective: every TP rank must export together). At PP>1 a
-stage maps only its own parameters (`stage_mappings`): its layers renumbered from 0, the
-embedding on the first stage, the final norm and output layer on the last. A load still checks
-the checkpoint against the whole model; an export yields the stage's own tensors.
+stage maps only its own parameters (`local_mappings`): its layers renumbered from 0, the
+embedding on the first stage, the final norm and output layer on the last; at EP>1 a rank maps
+its own routed experts. A load still checks the checkpoint against the whole model; an export
+yields the rank's own tensors.
 """
 
 from __future__ import annotations
@@ -300,26 +301,51 @@ def param_mappings(arch: ModelArch, *, native: bool = False) -> list[ParamMappin
     return maps
 
 
-def stage_mappings(maps: list[ParamMapping], stage: PipelineStage) -> list[ParamMapping]:
-    """The mappings of one pipeline stage's parameters (all of `maps` at PP=1): layer `i` of
-    the model is `decoder.layers.{i - first_layer}` on its stage, the embedding lives on the
-    first stage, the final norm and output layer on the last."""
-    if stage.size == 1:
-        return maps
+def local_mappings(
+    maps: list[ParamMapping], stage: PipelineStage, experts: range | None = None
+) -> list[ParamMapping]:
+    """The mappings of the parameters this rank holds (all of `maps` at PP=1, EP=1).
+
+    Pipeline: layer `i` of the model is `decoder.layers.{i - first_layer}` on its stage, the
+    embedding lives on the first stage, the final norm and output layer on the last. Expert
+    parallelism: a rank holds the routed experts `experts` (global ids), as
+    `local_experts.{e - experts.start}`.
+    """
     out: list[ParamMapping] = []
     for m in maps:
         name = m.megatron_name
         if name.startswith("decoder.layers."):
             _, _, idx, rest = name.split(".", 3)
-            if int(idx) in stage.layers:
-                local = f"decoder.layers.{int(idx) - stage.first_layer}.{rest}"
-                out.append(ParamMapping(local, m.hf_names, m.to_megatron, m.to_hf))
+            if int(idx) not in stage.layers:
+                continue
+            head, sep, tail = rest.partition("mlp.experts.local_experts.")
+            if sep and experts is not None:
+                e, dot, param = tail.partition(".")
+                if int(e) not in experts:
+                    continue
+                rest = f"{head}{sep}{int(e) - experts.start}{dot}{param}"
+            local = f"decoder.layers.{int(idx) - stage.first_layer}.{rest}"
+            out.append(ParamMapping(local, m.hf_names, m.to_megatron, m.to_hf))
         elif name.startswith("embedding."):
             if stage.pre_process:
                 out.append(m)
         elif stage.post_process:
             out.append(m)
     return out
+
+
+def _local_experts(arch: ModelArch) -> range | None:
+    """The routed experts this rank holds under Megatron's expert-parallel split (None: all)."""
+    from megatron.core import parallel_state as ps
+
+    if arch.moe is None or not ps.model_parallel_is_initialized():
+        return None
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep == 1:
+        return None
+    n = arch.moe.num_experts // ep
+    first = ps.get_expert_model_parallel_rank() * n
+    return range(first, first + n)
 
 
 def _model_arch(model: torch.nn.Module) -> ModelArch:
@@ -342,7 +368,7 @@ def _checked_mappings(
     """The mappings, verified to cover the model's parameters exactly (no more, no less)."""
     arch = _model_arch(model)
     full = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
-    maps = stage_mappings(full, model_stage(model))
+    maps = local_mappings(full, model_stage(model), _local_experts(arch))
     params = dict(model.named_parameters())
     mapped = {m.megatron_name for m in maps}
     if mapped != set(params):
@@ -483,8 +509,8 @@ __all__: list[str] = [
     "export_hf_weights",
     "hf_weight_names",
     "load_hf_weights",
+    "local_mappings",
     "param_mappings",
     "read_hf_state_dict",
     "save_hf_safetensors",
-    "stage_mappings",
 ]

@@ -70,17 +70,26 @@ def moe_experts(
     w2: torch.Tensor,
     *,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """Expert outputs [T, k, H] (x's dtype): y = w2[e] · silu_mul(w13[e] · x) per (t, slot),
-    experts visited in ascending id, each over the tokens routed to it (row-invariant)."""
+    experts visited in ascending id, each over the tokens routed to it (row-invariant).
+
+    Expert parallelism: `w13`/`w2` may hold only experts `first_expert ..` (a rank's local
+    experts). A slot routed elsewhere is -0.0, the exact additive identity (x + -0.0 == x for
+    every x, signed zeros included), so summing the ranks' outputs in any order reassembles
+    every slot bit for bit.
+    """
     t, k = topk_ids.shape
-    out = x.new_zeros(t, k, w2.shape[1])
+    out = x.new_full((t, k, w2.shape[1]), -0.0)
     flat = topk_ids.reshape(-1)
     for e in torch.unique(flat).tolist():
+        if not first_expert <= e < first_expert + w13.shape[0]:
+            continue
         sel = (flat == e).nonzero().squeeze(-1)
         tok, slot = sel // k, sel % k
-        h = silu_mul(linear(x[tok], w13[e], block_rows=block_rows))
-        out = out.index_put((tok, slot), linear(h, w2[e], block_rows=block_rows))
+        h = silu_mul(linear(x[tok], w13[e - first_expert], block_rows=block_rows))
+        out = out.index_put((tok, slot), linear(h, w2[e - first_expert], block_rows=block_rows))
     return out
 
 
@@ -95,10 +104,18 @@ def moe_combine(
     shared_w2: torch.Tensor | None = None,
     shared_gate_w: torch.Tensor | None = None,
     block_rows: int = DEFAULT_BLOCK_ROWS,
+    expert_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full MoE block after routing: routed experts + fixed-order combine + optional shared
-    expert `sigmoid(x · shared_gate_w^T) * w2s · silu_mul(w13s · x)`. x [T, H] -> [T, H]."""
-    y = moe_experts(x, topk_ids, w13, w2, block_rows=block_rows)
+    expert `sigmoid(x · shared_gate_w^T) * w2s · silu_mul(w13s · x)`. x [T, H] -> [T, H].
+
+    `expert_out` [T, k, H]: the routed experts' outputs, already computed (under expert
+    parallelism they come from the ranks holding the experts); `w13`/`w2` are then unused."""
+    y = (
+        moe_experts(x, topk_ids, w13, w2, block_rows=block_rows)
+        if expert_out is None
+        else expert_out
+    )
     shared_out = shared_gate = None
     if shared_w13 is not None and shared_w2 is not None:
         shared_out = linear(

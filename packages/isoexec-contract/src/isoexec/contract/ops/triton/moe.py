@@ -169,18 +169,26 @@ def moe_weighted_sum(
 
 
 def moe_experts(
-    x: torch.Tensor, topk_ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    first_expert: int = 0,
 ) -> torch.Tensor:
     """Expert outputs [T, k, H]: y = w2[e] · silu_mul(w13[e] · x) per (t, slot), experts in
-    ascending id, each over the tokens routed to it (row-invariant Triton linear)."""
+    ascending id, each over the tokens routed to it (row-invariant Triton linear). Experts
+    outside `first_expert ..` leave their slots -0.0 (see the torch `moe_experts`)."""
     t, k = topk_ids.shape
-    out = x.new_zeros(t, k, w2.shape[1])
+    out = x.new_full((t, k, w2.shape[1]), -0.0)
     flat = topk_ids.reshape(-1)
     for e in torch.unique(flat).tolist():
+        if not first_expert <= e < first_expert + w13.shape[0]:
+            continue
         sel = (flat == e).nonzero().squeeze(-1)
         tok, slot = sel // k, sel % k
-        h = silu_mul(linear(x[tok], w13[e]))
-        out = out.index_put((tok, slot), linear(h, w2[e]))
+        h = silu_mul(linear(x[tok], w13[e - first_expert]))
+        out = out.index_put((tok, slot), linear(h, w2[e - first_expert]))
     return out
 
 
@@ -194,9 +202,11 @@ def moe_combine(
     shared_w13: torch.Tensor | None = None,
     shared_w2: torch.Tensor | None = None,
     shared_gate_w: torch.Tensor | None = None,
+    expert_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Full MoE block after routing (same contract as the torch canonical `moe_combine`)."""
-    y = moe_experts(x, topk_ids, w13, w2)
+    """Full MoE block after routing (same contract as the torch canonical `moe_combine`,
+    `expert_out` included)."""
+    y = moe_experts(x, topk_ids, w13, w2) if expert_out is None else expert_out
     shared_out = shared_gate = None
     if shared_w13 is not None and shared_w2 is not None:
         shared_out = linear(silu_mul(linear(x, shared_w13)), shared_w2)

@@ -1,0 +1,106 @@
+"""Expert parallelism: EP=2 (a real 2-process gloo world, `torchrun`; Megatron's expert
+split and its all-gather / reduce-scatter over the EP group) scores MoE models bitwise like
+EP=1, each rank its own sequences (different token counts, so the exchange pads), with the
+same contract.
+
+The canonical layer exchanges per-(token, slot) expert outputs (-0.0 in slots another rank
+owns, an exact sum) and combines locally in the fixed order (`isoexec.megatron.expert_parallel`).
+Negative control: stock Megatron (its all-gather dispatcher) at EP=2 differs from EP=1 with
+top-4 routing: each rank sums its experts' weighted outputs and the reduce-scatter adds the
+ranks' partial sums, another association of the four terms. (With top-2 the stock sum is
+a + b either way, equal by commutativity: the control needs k >= 3.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.trainer
+
+SEQS_BY_RANK = [
+    [[3, 17, 250, 9, 44, 101, 7, 8, 9, 10], [5, 5, 480, 2, 7, 7, 1, 2], [1, 2, 3, 4, 5, 6]],
+    [[11, 300, 77, 61, 499, 23, 8, 90, 151, 4, 0, 5, 6, 7, 8], [42, 43, 44], [9, 8, 7, 6]],
+]
+# Stock Megatron's all-gather dispatcher needs the same token count on every EP rank (it
+# all-gathers into equal slices): the native arms score sequences of equal lengths.
+NATIVE_SEQS_BY_RANK = [
+    SEQS_BY_RANK[0],
+    [[11, 300, 77, 61, 499, 23, 8, 90, 151, 4], [42, 43, 44, 1, 0, 9, 9, 3], [9, 8, 7, 6, 5, 4]],
+]
+TOP4 = {"num_experts_per_tok": 4}
+CASES = [("tiny-moe-top4", "float32"), ("tiny-moe-top4", "bfloat16"), ("tiny-gdn", "float32")]
+
+
+@pytest.fixture(scope="module")
+def ep_results(
+    model_factory: Callable[[str, str], str],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[tuple[Any, ...], dict[str, Any]]:
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("ep-models")
+    models = {
+        ("tiny-moe-top4", dtype): str(
+            make_tiny_model("tiny-moe", root / f"top4-{dtype}", dtype=dtype, overrides=TOP4)
+        )
+        for dtype in ("float32", "bfloat16")
+    }
+    models["tiny-gdn", "float32"] = model_factory("tiny-gdn", "float32")
+    named: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for (name, dtype), model in models.items():
+        for ep in (1, 2):
+            for iso in (True, False):
+                if not iso and name == "tiny-gdn":
+                    continue  # native GDN layers: TP=1 only, no per-rank GDN mapping needed
+                named[name, dtype, iso, ep] = dict(
+                    model=model, dtype=dtype, tp=1, ep=ep, isoexec=iso, contract=iso,
+                    seqs_by_rank=SEQS_BY_RANK if iso else NATIVE_SEQS_BY_RANK,
+                )  # fmt: skip
+    top4 = models["tiny-moe-top4", "float32"]
+    named["train-refused"] = dict(
+        model=top4, dtype="float32", tp=1, ep=2, isoexec=True, train=True, expect_error=True,
+        seqs=SEQS_BY_RANK[0],
+    )
+    named["unequal-forwards-refused"] = dict(
+        model=top4, dtype="float32", tp=1, ep=2, isoexec=True, seqs_by_rank=SEQS_BY_RANK,
+        score_max_tokens=12, expect_error=True,
+    )  # fmt: skip
+    return dict(zip(named, run_tp_jobs(list(named.values()), []), strict=True))
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_ep2_logprobs_equal_ep1_on_every_rank(ep_results: dict, name: str, dtype: str) -> None:
+    one, two = ep_results[name, dtype, True, 1], ep_results[name, dtype, True, 2]
+    assert two["local_experts"] * 2 == one["local_experts"] > 0  # EP=2 holds half the experts
+    for rank in (0, 1):
+        assert _equal(one["logprobs_by_rank"][rank], two["logprobs_by_rank"][rank]), rank
+        assert [t.numel() for t in two["logprobs_by_rank"][rank]] == [
+            len(s) - 1 for s in SEQS_BY_RANK[rank]
+        ]
+    assert one["contract"] == two["contract"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_negative_control_stock_ep2_differs(ep_results: dict, dtype: str) -> None:
+    one = ep_results["tiny-moe-top4", dtype, False, 1]["logprobs_by_rank"]
+    two = ep_results["tiny-moe-top4", dtype, False, 2]["logprobs_by_rank"]
+    differ = sum(int((a != b).sum()) for r in (0, 1) for a, b in zip(one[r], two[r], strict=True))
+    print(f"stock Megatron EP=2 vs EP=1 ({dtype}, top-4): {differ} logprobs differ")
+    assert differ > 0
+    for r in (0, 1):  # ...while it is the same computation up to rounding
+        for a, b in zip(one[r], two[r], strict=True):
+            assert torch.allclose(a, b, atol=0.05 if dtype == "bfloat16" else 1e-4)
+
+
+def test_ep2_train_step_and_unequal_forwards_are_refused(ep_results: dict) -> None:
+    assert "train_step at EP>1" in ep_results["train-refused"]["error"]
+    assert "would run [3, 2] forwards" in ep_results["unequal-forwards-refused"]["error"]
