@@ -31,7 +31,8 @@ GOLDEN_BYTES = (
     b'"logprobs":"float32","params":"float32","recurrent_state":null,"residual":"float32"},'
     b'"model":{"architecture":"Qwen3ForCausalLM","config_digest":'
     b'"af79be01a61a7fe320a804f51e0d74cb62ac3ba73829a1b4fc1f924e06c50db3","layer_kinds":'
-    b'["attention"]},"schema_version":1,"sites":{"embed_tokens":{"backend":"native","impl_id":'
+    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":2,'
+    b'"sites":{"embed_tokens":{"backend":"native","impl_id":'
     b'"native:Embedding","op":"embedding","params":{},"source_fingerprint":"","tp":"1",'
     b'"version":0},"layers.0.input_layernorm":{"backend":"torch-cpu","impl_id":"isoexec.rms_norm",'
     b'"op":"rms_norm","params":{"eps":"0x1.0c6f7a0b5ed8dp-20"},"source_fingerprint":'
@@ -58,7 +59,7 @@ GOLDEN_BYTES = (
     b'"impl_id":"isoexec.rms_norm","op":"rms_norm","params":{"eps":"0x1.0c6f7a0b5ed8dp-20"},'
     b'"source_fingerprint":"0123456789abcdef0123456789abcdef","tp":"1","version":1}}}'
 )
-GOLDEN_HASH = "bf5b642cd4b5df1a2128daeaf3635933eab1d720ac0a1b64a414c63cd90de98c"
+GOLDEN_HASH = "8c0e2680b79c52d866006c9aa0882c4cb437d2c487aeeee4bd0cde5da07d9f92"
 
 
 def test_golden_bytes_and_hash() -> None:
@@ -158,8 +159,13 @@ def test_missing_field_refused() -> None:
 
 def test_unknown_schema_version_refused() -> None:
     d = make_contract(1).to_dict()
-    d["schema_version"] = 2
-    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 2 \(known: 1\)"):
+    d["schema_version"] = 3
+    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 3 \(known: 2\)"):
+        Contract.from_bytes(canonical_json(d))
+    # Schema 1 (no `parallel` section) is refused, not read with a guessed layout.
+    del d["parallel"]
+    d["schema_version"] = 1
+    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 2\)"):
         Contract.from_bytes(canonical_json(d))
     d["schema_version"] = "1"
     with pytest.raises(ContractError, match="schema_version: missing or not an integer"):
@@ -169,7 +175,7 @@ def test_unknown_schema_version_refused() -> None:
 def test_duplicate_keys_bad_utf8_and_wrong_types_refused() -> None:
     b = make_contract(1).to_bytes()
     with pytest.raises(ContractError, match="duplicate key 'schema_version'"):
-        Contract.from_bytes(b[:-1] + b',"schema_version":1}')
+        Contract.from_bytes(b[:-1] + b',"schema_version":2}')
     with pytest.raises(ContractError, match="not UTF-8"):
         Contract.from_bytes(b"\xff" + b)
     with pytest.raises(ContractError, match="not valid JSON"):
@@ -239,3 +245,31 @@ def test_contract_is_frozen_and_validates_sites() -> None:
         Contract(MODEL, DTYPES, BACKEND, (SiteRecord("has space", ImplInfo.native("x", "Y")),))
     with pytest.raises(ContractError, match="at least one site"):
         Contract(MODEL, DTYPES, BACKEND, ())
+
+
+def test_parallel_layout_is_hashed_checked_and_diffed() -> None:
+    """The `parallel` section: part of the bytes (a layout change changes the hash), strictly
+    parsed, named in the diff; `declared_layout` is the one rule both sides follow."""
+    from dataclasses import replace
+
+    from isoexec.contract.diff import diff
+    from isoexec.contract.parallel_layout import ParallelLayout, declared_layout
+
+    c = make_contract(1)
+    other = replace(c, parallel=ParallelLayout(tp="2"))
+    assert other.hash != c.hash
+    assert "parallel.tp: 1 → 2" in str(diff(c, other))
+    assert Contract.from_bytes(other.to_bytes()) == other
+    for bad in ({"tp": "0", "pp": "1", "ep": "1", "dp": "1"}, {"tp": "1", "pp": "1", "ep": "1"}):
+        d = c.to_dict()
+        d["parallel"] = bad
+        with pytest.raises(ContractError, match="parallel"):
+            Contract.from_dict(d)
+    # A canonical side declares the same layout at any degree; a native one its degrees.
+    canonical = dict(all_sites_tp_invariant=True, canonical=True, moe=True)
+    assert declared_layout(**canonical, tp=2, pp=2, ep=2, dp=4) == declared_layout(**canonical)
+    native = declared_layout(all_sites_tp_invariant=False, canonical=False, moe=True, tp=2, ep=2,
+                             dp=4, pp=2)  # fmt: skip
+    assert native == ParallelLayout(tp="2", pp="invariant", ep="2", dp="4")
+    dense = declared_layout(all_sites_tp_invariant=False, canonical=False, moe=False, ep=2)
+    assert dense.ep == "invariant"  # no experts: EP changes nothing

@@ -4,7 +4,7 @@ The trainer and the engine each build a `Contract` from their live model after i
 and exchange it (see `isoexec.contract.handshake`). Equal SHA-256 of the canonical bytes means
 both sides run the same op implementations under the same numerics-relevant facts.
 
-Canonical form (schema version 1)
+Canonical form (schema version 2)
 ---------------------------------
 JSON, UTF-8, keys sorted at every level, no whitespace (`separators=(",", ":")`), non-ASCII
 kept as UTF-8 (not `\\u` escapes), **no floats anywhere** (floats are encoded as exact strings,
@@ -15,7 +15,8 @@ e.g. `float.hex()`); integers, strings, booleans, null, arrays and objects only:
      "dtypes":    {"activations":..., "kv_cache":..., "logprobs":..., "params":...,
                    "recurrent_state":..., "residual":...},
      "model":     {"architecture":..., "config_digest":..., "layer_kinds":[...]},
-     "schema_version": 1,
+     "parallel":  {"dp":..., "ep":..., "pp":..., "tp":...},
+     "schema_version": 2,
      "sites":     {"<site name>": {"backend":..., "impl_id":..., "op":..., "params":{...},
                                    "source_fingerprint":..., "tp":..., "version":...}, ...}}
 
@@ -27,7 +28,9 @@ back from bytes is in `site_sort_key` order (numeric-aware, so `layers.2` preced
 Parallel layout: each site's `tp` is `"invariant"` when the site claims its result does not
 depend on the tensor-parallel degree, else the TP degree as a decimal string. A TP=4 trainer
 and a TP=1 engine whose every site claims invariance therefore hash equal, while a site without
-the claim pins the degree it ran at.
+the claim pins the degree it ran at. The `parallel` section declares the whole layout, one
+entry per dimension (`isoexec.contract.parallel_layout`): "invariant" or the degree. Schema 1
+had no `parallel` section and is refused (rebuild the contract).
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
+from isoexec.contract.parallel_layout import SERIAL_LAYOUT, ParallelLayout, ParallelLayoutError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 TP_INVARIANT = "invariant"
 
@@ -147,6 +151,7 @@ class Contract:
     dtypes: Dtypes
     backend: BackendIdentity
     sites: tuple[SiteRecord, ...]
+    parallel: ParallelLayout = SERIAL_LAYOUT
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -179,6 +184,7 @@ class Contract:
                 "arch": self.backend.arch,
                 "threads": self.backend.threads,
             },
+            "parallel": self.parallel.to_dict(),
             "sites": {
                 s.name: {
                     "op": s.impl.op,
@@ -249,7 +255,7 @@ class Contract:
 
     @staticmethod
     def from_dict(obj: object) -> Contract:
-        """Build from a parsed JSON structure, refusing anything not in schema version 1."""
+        """Build from a parsed JSON structure, refusing anything not in the schema version."""
         top = _obj(obj, "contract")
         version = top.get("schema_version")
         if type(version) is not int:
@@ -259,7 +265,13 @@ class Contract:
                 f"unknown contract schema_version {version} "
                 f"(known: {', '.join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))})"
             )
-        _exact_keys(top, {"schema_version", "model", "dtypes", "backend", "sites"}, "contract")
+        _exact_keys(
+            top, {"schema_version", "model", "dtypes", "backend", "parallel", "sites"}, "contract"
+        )
+        try:
+            parallel = ParallelLayout.from_dict(_obj(top["parallel"], "parallel"))
+        except ParallelLayoutError as e:
+            raise ContractError(str(e)) from None
         m = _obj(top["model"], "model")
         _exact_keys(m, {"architecture", "config_digest", "layer_kinds"}, "model")
         kinds = m["layer_kinds"]
@@ -317,7 +329,7 @@ class Contract:
                 source_fingerprint=_str(s["source_fingerprint"], f"{where}.source_fingerprint"),
             )
             sites.append(SiteRecord(name, impl, _str(s["tp"], f"{where}.tp")))
-        return Contract(model, dtypes, backend, tuple(sites), version)
+        return Contract(model, dtypes, backend, tuple(sites), parallel, version)
 
     # -- files -------------------------------------------------------------------------------
 
@@ -370,9 +382,11 @@ class ContractBuilder:
         backend: BackendIdentity | None = None,
         *,
         tp_size: int = 1,
+        parallel: ParallelLayout | None = None,
     ) -> None:
         if type(tp_size) is not int or tp_size < 1:
             raise ContractError(f"tp_size must be a positive integer, got {tp_size!r}")
+        self.parallel = parallel
         self.model = model
         self.dtypes = dtypes
         self.backend = backend
@@ -411,7 +425,11 @@ class ContractBuilder:
 
             uses_triton = any(s.impl.backend.startswith("triton") for s in self._sites.values())
             backend = detect_backend(uses_triton=uses_triton)
-        return Contract(self.model, self.dtypes, backend, tuple(self._sites.values()))
+        parallel = self.parallel
+        if parallel is None:  # TP only: what the sites say; the other dimensions at degree 1
+            invariant = all(s.tp_invariant for s in self._sites.values())
+            parallel = ParallelLayout(tp=TP_INVARIANT if invariant else str(self.tp_size))
+        return Contract(self.model, self.dtypes, backend, tuple(self._sites.values()), parallel)
 
 
 def build_contract(
@@ -423,10 +441,11 @@ def build_contract(
     tp_size: int = 1,
     tp_invariant: bool | Collection[str] = False,
     expected_sites: Iterable[str | HasNameOp] | None = None,
+    parallel: ParallelLayout | None = None,
 ) -> Contract:
     """One-call form of `ContractBuilder`: `sites` in model order; `tp_invariant` is True (every
     site claims TP invariance), False, or the names of the sites that claim it."""
-    b = ContractBuilder(model, dtypes, backend, tp_size=tp_size)
+    b = ContractBuilder(model, dtypes, backend, tp_size=tp_size, parallel=parallel)
     pairs = list(sites.items() if isinstance(sites, Mapping) else sites)
     names = {n for n, _ in pairs}
     if not isinstance(tp_invariant, bool):
@@ -561,6 +580,8 @@ def _validate(c: Contract) -> None:
         type(c.backend.threads) is not int or c.backend.threads < 1
     ):
         raise ContractError("backend.threads: must be a positive integer or None")
+    if not isinstance(c.parallel, ParallelLayout):
+        raise ContractError(f"parallel: must be a ParallelLayout, got {c.parallel!r}")
     if not isinstance(c.sites, tuple) or not c.sites:
         raise ContractError("a contract needs at least one site (as a tuple of SiteRecord)")
     seen: set[str] = set()

@@ -19,7 +19,8 @@ from isoexec.contract.contract import (
     config_digest,
 )
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.sites import architecture, layer_kinds, model_sites
+from isoexec.contract.parallel_layout import declared_layout
+from isoexec.contract.sites import architecture, layer_kinds, model_sites, num_experts
 
 # HF config fields that change the bits of a forward pass (names, paths and ids do not).
 NUMERIC_CONFIG_FIELDS = (
@@ -110,20 +111,33 @@ def contract_for(
     *,
     backend: BackendIdentity | None = None,
     tp_size: int = 1,
+    pp_size: int = 1,
+    ep_size: int = 1,
+    dp_size: int = 1,
 ) -> Contract:
-    """The contract of `hf_config` at `dtype` with what each site actually runs.
+    """The contract of `hf_config` at `dtype` with what each site actually runs, on a side
+    running at these parallel degrees.
 
     TP-invariant sites (`tp_invariant_sites`) record "invariant", the others `tp_size`: a
     trainer at TP=2 and an engine at TP=1 agree exactly when every site that differs in TP
-    is TP-invariant. Refuses (ContractError) if `sites` misses a site of the model or records
-    the wrong op.
+    is TP-invariant. The `parallel` section follows `parallel_layout.declared_layout`, the
+    same rule on both sides. Refuses (ContractError) if `sites` misses a site of the model or
+    records the wrong op.
     """
+    invariant = tp_invariant_sites(sites)
+    parallel = declared_layout(
+        all_sites_tp_invariant=invariant == set(sites),
+        canonical=not any(i.is_native for i in sites.values()),
+        moe=num_experts(hf_config) > 0,
+        tp=tp_size, pp=pp_size, ep=ep_size, dp=dp_size,
+    )  # fmt: skip
     return build_contract(
         model=model_identity(hf_config),
         dtypes=model_dtypes(hf_config, dtype),
         sites=sites,
         backend=backend,  # None: detected at build, with Triton's version if a site runs it
         tp_size=tp_size,
-        tp_invariant=tp_invariant_sites(sites),
+        tp_invariant=invariant,
         expected_sites=model_sites(hf_config),
+        parallel=parallel,
     )

@@ -211,7 +211,23 @@ def trainer_contract(
     if dtype is not None and _dtype_name(dtype) != model_dtype:
         raise ValueError(f"dtype {_dtype_name(dtype)} but the model's parameters are {model_dtype}")
     tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
-    return contract_for(cfg, model_dtype, sites, tp_size=tp, backend=backend)
+    pp, ep, dp = _parallel_degrees()
+    return contract_for(
+        cfg, model_dtype, sites, tp_size=tp, pp_size=pp, ep_size=ep, dp_size=dp, backend=backend
+    )
+
+
+def _parallel_degrees() -> tuple[int, int, int]:
+    """(PP, EP, DP) of Megatron's parallel state (1s outside one)."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 1, 1
+    return (
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_data_parallel_world_size(),
+    )
 
 
 __all__ = [

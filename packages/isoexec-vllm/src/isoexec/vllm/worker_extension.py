@@ -58,7 +58,12 @@ class IsoWorkerExtension:
         # row-parallel site reduced by vLLM's all-reduce) records it, so it never MATCHes a
         # peer at another degree.
         tp = get_tensor_model_parallel_world_size()
-        return contract_for(hf, self._isoexec_dtype(), sites, tp_size=tp).to_bytes()
+        par = self.vllm_config.parallel_config  # PP/DP/EP > 1 are refused at construction
+        ep = tp * par.data_parallel_size if par.enable_expert_parallel else 1
+        return contract_for(
+            hf, self._isoexec_dtype(), sites, tp_size=tp,
+            pp_size=par.pipeline_parallel_size, ep_size=ep, dp_size=par.data_parallel_size,
+        ).to_bytes()  # fmt: skip
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(
