@@ -8,11 +8,10 @@ when vLLM constructs them (vLLM's config is current then) and keep the ops modul
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+from isoexec.vllm.compiled_ops import CompiledOps
 
 
 def engine_options() -> IsoExecOptions:
@@ -24,9 +23,10 @@ def engine_options() -> IsoExecOptions:
     return IsoExecOptions.from_mapping(extra.get(VLLM_ADDITIONAL_CONFIG_KEY))
 
 
-def engine_ops() -> ModuleType:
-    """The ops module of the engine's backend (`isoexec.contract.ops` or its Triton twin)."""
-    return ops.backend_ops(engine_options().backend)
+def engine_ops() -> CompiledOps:
+    """The engine backend's ops (`isoexec.contract.ops` or its Triton twin), with the calls
+    made inside vLLM's compiled model as opaque custom ops (`compiled_ops`)."""
+    return CompiledOps(engine_options().backend)
 
 
 def engine_impl(op: str, **params: object) -> ImplInfo:

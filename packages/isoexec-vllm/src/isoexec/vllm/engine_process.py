@@ -53,6 +53,9 @@ class EngineConfig:
     # vLLM's own tensor parallelism: its multiprocess executor, one worker per rank (gloo on
     # CPU), each bound to its share of this process's CPUs (`cpu_binding`).
     tensor_parallel_size: int = 1
+    # vLLM's default mode, compiled (torch.compile of the model; CUDA graphs on GPU), as users
+    # run it; the canonical ops are opaque to the compiler (`compiled_ops`). True: eager.
+    enforce_eager: bool = False
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,7 @@ class _Handler:
         kwargs: dict[str, Any] = {
             "model": config.model,
             "skip_tokenizer_init": True,
-            "enforce_eager": True,
+            "enforce_eager": config.enforce_eager,
             "dtype": config.dtype,
             "max_model_len": config.max_model_len,
             "enable_prefix_caching": config.enable_prefix_caching,

@@ -40,8 +40,23 @@ from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
 
 # The gate is shared with the other side: isoexec.contract.ops.attn_output_gate.
-attn_output_gate = ops.attn_output_gate
 ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
+
+
+@torch.library.custom_op("isoexec::gdn_core", mutates_args=("core",))
+def _gdn_core(
+    mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor, layer: str
+) -> None:
+    """The GDN conv + recurrence of layer `layer`, into `core`: opaque to torch.compile (it
+    reads the step's metadata and the layer's state cache, as vLLM's own GDN core op does)."""
+    get_forward_context().no_compile_layers[layer]._canonical_core(mixed_qkv, b, a, core)
+
+
+@_gdn_core.register_fake
+def _(
+    mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor, layer: str
+) -> None:
+    return None
 
 
 # ---- gated output norm -----------------------------------------------------------------------
@@ -149,7 +164,7 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             dtype=hidden_states.dtype,
             device=hidden_states.device,
         )
-        self._canonical_core(mixed_qkv, b, a, core)
+        torch.ops.isoexec.gdn_core(mixed_qkv, b, a, core, self.prefix)
         return self._output_projection(core, z)
 
     def _canonical_core(
@@ -216,6 +231,7 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._take_unfused_path()
+        self.isoexec_ops = engine_ops()
 
     def _take_unfused_path(self) -> None:
         """vLLM turns on its fused q/k-norm + RoPE + gate kernel on CUDA/XPU in bf16/fp16; its
@@ -228,7 +244,7 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
         q, k, v, gate = self._project_qkv_gate(qkv, positions)
         attn_output = self.attn(q, k, v)
         if gate is not None:
-            attn_output = attn_output_gate(attn_output, gate)
+            attn_output = self.isoexec_ops.attn_output_gate(attn_output, gate)
         output, _ = self.o_proj(attn_output)
         return output
 

@@ -98,15 +98,9 @@ class IsoRotaryEmbedding(_BoundSite, RotaryEmbedding):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.is_neox_style:
             raise UnsupportedSiteError("only neox-style (rotate-half) RoPE is canonical")
-        o = self.ops
-        cos, sin = o.rope_cos_sin(positions.reshape(-1), self.rotary_dim, float(self.base))
-        t = cos.shape[0]
-        q = o.apply_rope(query.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
-        q = q.reshape(query.shape)
-        k = None
-        if key is not None:
-            k = o.apply_rope(key.view(t, -1, self.head_size), cos, sin, self.rotary_dim)
-            k = k.reshape(key.shape)
+        args = (self.head_size, self.rotary_dim, float(self.base))
+        q = self.ops.rope(positions, query, *args)
+        k = None if key is None else self.ops.rope(positions, key, *args)
         return q, k
 
 
@@ -159,10 +153,10 @@ class CanonicalTPInvariantLinearMethod(CanonicalLinearMethod):
         tp = int(getattr(layer, "tp_size", 1))
         if tp == 1:
             return self.ops.linear_tp_invariant(x, layer.weight, bias)
-        return self.ops.linear_tp_shard(x, layer.weight, bias, tp=tp, all_gather=_gather_leaves)
+        return self.ops.linear_tp_shard(x, layer.weight, bias, tp=tp)  # leaves: gather_leaves
 
 
-def _gather_leaves(parts: torch.Tensor) -> torch.Tensor:
+def gather_leaves(parts: torch.Tensor) -> torch.Tensor:
     """[G/tp, M, N] on each rank -> [G, M, N] in rank order (vLLM's exact all-gather)."""
     from vllm.distributed import tensor_model_parallel_all_gather
 

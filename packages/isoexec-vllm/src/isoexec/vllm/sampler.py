@@ -64,11 +64,16 @@ class IsoSampler(Sampler):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if logprobs_mode_override not in (None, LOGPROBS_MODE):
             raise UnsupportedSiteError(f"logprobs mode override {logprobs_mode_override!r}")
-        if sampling_metadata.top_k is not None or sampling_metadata.top_p is not None:
-            raise UnsupportedSiteError("top-k / top-p sampling is not supported under IsoExec")
         wanted = sampling_metadata.max_num_logprobs is not None or bool(
             sampling_metadata.logprob_token_ids
         )
+        # Logprobs of a top-k/top-p truncated distribution are not what the trainer scores:
+        # refused when asked for. Without logprobs (e.g. vLLM's compile warm-up, which samples
+        # with top-k and top-p) there is nothing to compare, and sampling is vLLM's own.
+        if wanted and (sampling_metadata.top_k is not None or sampling_metadata.top_p is not None):
+            raise UnsupportedSiteError(
+                "top-k / top-p sampling with logprobs is not supported under IsoExec"
+            )
         # Before vLLM's sampling, which divides the logits by the temperature in place.
         temps = sampling_metadata.temperature
         processed = canonical_logprobs(logits, temps, self.ops) if wanted else None

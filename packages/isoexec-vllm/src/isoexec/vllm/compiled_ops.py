@@ -1,0 +1,281 @@
+"""The canonical ops the engine calls inside vLLM's compiled model, as torch custom ops.
+
+Why: vLLM's default mode compiles the model's forward with torch.compile. Dynamo would trace
+into the canonical ops' Python (and stop at their Python scalars), and Inductor would
+regenerate their arithmetic with its own reductions, vectorisation and fusions: other bits
+than the trainer's eager ops. Registered as custom ops (`torch.ops.isoexec.*`) with fake
+implementations that only give shapes, they are opaque to both, the way vLLM registers its
+own kernels: the compiled graph calls the very eager code the trainer runs, so compiled and
+eager engines compute the same bits (tests/vllm/test_compiled_engine.py). What Inductor still
+generates around them is data movement (views, splits, concatenation, gathers), which is exact.
+
+`CompiledOps(backend)` is what engine sites hold as `self.ops`: the backend's ops module with
+the calls made inside the compiled region routed through the custom ops; everything else
+(the sampler's log-softmax, the GDN recurrence inside its own opaque core) passes through.
+The `backend` argument of each op selects `isoexec.contract.ops` or its Triton twin.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from isoexec.contract import ops
+
+
+def _mod(backend: str) -> ModuleType:
+    return ops.backend_ops(backend)
+
+
+def _own(out: Tensor, *inputs: Tensor | None) -> Tensor:
+    """A custom op's output must not alias its inputs: copy in the (rare) case it would."""
+    ptr = out.untyped_storage().data_ptr()
+    if any(t is not None and t.untyped_storage().data_ptr() == ptr for t in inputs):
+        return out.clone()
+    return out
+
+
+# ---- norms -----------------------------------------------------------------------------------
+@torch.library.custom_op("isoexec::rms_norm", mutates_args=())
+def _rms_norm(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
+    out = _mod(backend).rms_norm(x, weight, eps, zero_centered=zero_centered)
+    return _own(out, x, weight)
+
+
+@_rms_norm.register_fake
+def _(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("isoexec::rms_norm_residual", mutates_args=())
+def _rms_norm_residual(
+    backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor
+) -> tuple[Tensor, Tensor]:
+    y, r = _mod(backend).rms_norm(x, weight, eps, zero_centered=zero_centered, residual=residual)
+    return _own(y, x, weight, residual), _own(r, x, weight, residual)
+
+
+@_rms_norm_residual.register_fake
+def _(
+    backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor
+) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("isoexec::gated_rms_norm", mutates_args=())
+def _gated_rms_norm(backend: str, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return _own(_mod(backend).gated_rms_norm(x, z, weight, eps), x, z, weight)
+
+
+@_gated_rms_norm.register_fake
+def _(backend: str, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+    return torch.empty_like(x)
+
+
+# ---- linears ---------------------------------------------------------------------------------
+def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.custom_op("isoexec::linear", mutates_args=())
+def _linear(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _own(_mod(backend).linear(x, weight, bias), x, weight, bias)
+
+
+@_linear.register_fake
+def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _linear_fake(x, weight)
+
+
+@torch.library.custom_op("isoexec::linear_tp_invariant", mutates_args=())
+def _linear_tp_invariant(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _own(_mod(backend).linear_tp_invariant(x, weight, bias), x, weight, bias)
+
+
+@_linear_tp_invariant.register_fake
+def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return _linear_fake(x, weight)
+
+
+@torch.library.custom_op("isoexec::linear_tp_shard", mutates_args=())
+def _linear_tp_shard(
+    backend: str, x: Tensor, weight: Tensor, bias: Tensor | None, tp: int
+) -> Tensor:
+    """Row-parallel TP-invariant linear at TP>1: the leaves are gathered over vLLM's TP group
+    inside the op (an exact all-gather), so the collective is part of the opaque call."""
+    from isoexec.vllm.layers import gather_leaves
+
+    out = _mod(backend).linear_tp_shard(x, weight, bias, tp=tp, all_gather=gather_leaves)
+    return _own(out, x, weight, bias)
+
+
+@_linear_tp_shard.register_fake
+def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None, tp: int) -> Tensor:
+    return _linear_fake(x, weight)
+
+
+# ---- activation, rope, gate ------------------------------------------------------------------
+@torch.library.custom_op("isoexec::silu_mul", mutates_args=())
+def _silu_mul(backend: str, x: Tensor) -> Tensor:
+    return _own(_mod(backend).silu_mul(x), x)
+
+
+@_silu_mul.register_fake
+def _(backend: str, x: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@torch.library.custom_op("isoexec::rope", mutates_args=())
+def _rope(
+    backend: str, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
+) -> Tensor:
+    """RoPE on x [T, heads * head_size] (or any shape with T rows) at `positions` [T]."""
+    o = _mod(backend)
+    cos, sin = o.rope_cos_sin(positions.reshape(-1), rotary_dim, base)
+    out = o.apply_rope(x.reshape(cos.shape[0], -1, head_size), cos, sin, rotary_dim)
+    return _own(out.reshape(x.shape), x)
+
+
+@_rope.register_fake
+def _(
+    backend: str, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
+) -> Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("isoexec::attn_output_gate", mutates_args=())
+def _attn_output_gate(backend: str, out: Tensor, gate: Tensor) -> Tensor:
+    return _own(_mod(backend).attn_output_gate(out, gate), out, gate)
+
+
+@_attn_output_gate.register_fake
+def _(backend: str, out: Tensor, gate: Tensor) -> Tensor:
+    return torch.empty_like(out)
+
+
+# ---- MoE -------------------------------------------------------------------------------------
+@torch.library.custom_op("isoexec::moe_router", mutates_args=())
+def _moe_router(
+    backend: str, logits: Tensor, top_k: int, renormalize: bool
+) -> tuple[Tensor, Tensor]:
+    w, ids = _mod(backend).moe_router(logits, top_k, renormalize=renormalize)
+    return _own(w, logits), _own(ids, logits)
+
+
+@_moe_router.register_fake
+def _(backend: str, logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tensor, Tensor]:
+    rows = logits.shape[:-1]
+    return (
+        logits.new_empty((*rows, top_k), dtype=torch.float32),
+        logits.new_empty((*rows, top_k), dtype=torch.int64),
+    )
+
+
+@torch.library.custom_op("isoexec::moe_combine", mutates_args=())
+def _moe_combine(
+    backend: str,
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    shared_w13: Tensor | None,
+    shared_w2: Tensor | None,
+    shared_gate_w: Tensor | None,
+) -> Tensor:
+    out = _mod(backend).moe_combine(
+        x, topk_weights, topk_ids, w13, w2,
+        shared_w13=shared_w13, shared_w2=shared_w2, shared_gate_w=shared_gate_w,
+    )  # fmt: skip
+    return _own(out, x)
+
+
+@_moe_combine.register_fake
+def _(
+    backend: str,
+    x: Tensor,
+    topk_weights: Tensor,
+    topk_ids: Tensor,
+    w13: Tensor,
+    w2: Tensor,
+    shared_w13: Tensor | None,
+    shared_w2: Tensor | None,
+    shared_gate_w: Tensor | None,
+) -> Tensor:
+    return torch.empty_like(x)
+
+
+# ---- the namespace sites hold ----------------------------------------------------------------
+class CompiledOps:
+    """A backend's canonical ops for engine sites: the calls made inside vLLM's compiled model
+    go through the opaque custom ops above; any other name is the backend module's own."""
+
+    def __init__(self, backend: str = "torch") -> None:
+        self.backend = backend
+        self._mod = _mod(backend)  # refuses an unknown backend here, at site construction
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._mod, name)
+
+    def rms_norm(
+        self,
+        x: Tensor,
+        weight: Tensor,
+        eps: float,
+        *,
+        zero_centered: bool = False,
+        residual: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return torch.ops.isoexec.rms_norm(self.backend, x, weight, eps, zero_centered)
+        return torch.ops.isoexec.rms_norm_residual(
+            self.backend, x, weight, eps, zero_centered, residual
+        )
+
+    def gated_rms_norm(self, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
+        return torch.ops.isoexec.gated_rms_norm(self.backend, x, z, weight, eps)
+
+    def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return torch.ops.isoexec.linear(self.backend, x, weight, bias)
+
+    def linear_tp_invariant(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        return torch.ops.isoexec.linear_tp_invariant(self.backend, x, weight, bias)
+
+    def linear_tp_shard(self, x: Tensor, weight: Tensor, bias: Tensor | None, *, tp: int) -> Tensor:
+        return torch.ops.isoexec.linear_tp_shard(self.backend, x, weight, bias, tp)
+
+    def silu_mul(self, x: Tensor) -> Tensor:
+        return torch.ops.isoexec.silu_mul(self.backend, x)
+
+    def rope(
+        self, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
+    ) -> Tensor:
+        return torch.ops.isoexec.rope(self.backend, positions, x, head_size, rotary_dim, base)
+
+    def attn_output_gate(self, out: Tensor, gate: Tensor) -> Tensor:
+        return torch.ops.isoexec.attn_output_gate(self.backend, out, gate)
+
+    def moe_router(self, logits: Tensor, top_k: int, *, renormalize: bool) -> tuple[Tensor, Tensor]:
+        return torch.ops.isoexec.moe_router(self.backend, logits, top_k, renormalize)
+
+    def moe_combine(
+        self,
+        x: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        w13: Tensor,
+        w2: Tensor,
+        *,
+        shared_w13: Tensor | None = None,
+        shared_w2: Tensor | None = None,
+        shared_gate_w: Tensor | None = None,
+    ) -> Tensor:
+        return torch.ops.isoexec.moe_combine(
+            self.backend, x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w
+        )
+
+
+__all__ = ["CompiledOps"]
