@@ -85,3 +85,35 @@ def test_bad_input_exits_2_with_one_line_error(
 def test_usage_error_exits_2() -> None:
     r = isoexec("contract", "frobnicate")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.parametrize(
+    ("blocked", "named"),
+    [("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"), ("megatron", "isoexec-megatron")],
+)
+def test_pair_on_a_one_side_node_names_the_missing_package(blocked: str, named: str) -> None:
+    """A node with one side installed (the README's recommended install): `isoexec pair` exits
+    2 with one line naming what is missing. The other side is made unimportable with a meta
+    path finder in a fresh interpreter, as if it were not installed."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, importlib.abc\n"
+        "class Block(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name.split('.')[0] == {blocked!r} or name == 'isoexec.{blocked}':\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from isoexec.contract.cli import main\n"
+        "sys.exit(main(['pair', '--out', sys.argv[1]]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, "/tmp/isoexec-pair-one-side"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.strip()]
+    assert lines == [
+        "isoexec pair runs a trainer and an engine side by side and needs both sides "
+        f"installed; missing: {named}"
+    ]

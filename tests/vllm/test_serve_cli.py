@@ -1,0 +1,47 @@
+"""`isoexec engine serve`: the vLLM server command it execs, and what it refuses."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from isoexec.contract.options import IsoExecOptions
+from isoexec.vllm.serve import ServeArgsError, server_command
+
+
+def test_server_command_sets_what_isoexec_needs_and_passes_the_rest() -> None:
+    argv, env = server_command("/m", ["--port", "9000", "--enforce-eager"],
+                               options=IsoExecOptions(tp_invariant=True))  # fmt: skip
+    assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
+    flags = dict(zip(argv[5:-3:2], argv[6:-3:2], strict=True))
+    assert flags["--worker-extension-cls"] == "isoexec.vllm.worker_extension.IsoWorkerExtension"
+    assert flags["--logprobs-mode"] == "processed_logprobs"
+    assert json.loads(flags["--additional-config"]) == {
+        "isoexec": {"tp_invariant": True, "backend": "torch"}
+    }
+    assert argv[-3:] == ["--port", "9000", "--enforce-eager"]
+    assert env["ISOEXEC"] == "1"
+
+
+def test_stock_server_is_upstream_vllm() -> None:
+    argv, env = server_command("/m", [], isoexec=False)
+    assert env["ISOEXEC"] == "0" and "--additional-config" not in argv
+    with pytest.raises(ServeArgsError, match="not with --stock"):
+        server_command("/m", [], isoexec=False, options=IsoExecOptions(tp_invariant=True))
+
+
+@pytest.mark.parametrize(
+    "arg", ["--logprobs-mode=raw_logprobs", "--worker-extension-cls", "--additional-config"]
+)
+def test_contradicting_flags_are_refused(arg: str) -> None:
+    with pytest.raises(ServeArgsError, match="is set by `isoexec engine serve`"):
+        server_command("/m", [arg, "x"])
+
+
+def test_cli_refuses_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
+    from isoexec.contract.cli import main
+
+    assert main(["engine", "serve", "/m", "--logprobs-mode", "raw_logprobs"]) == 2
+    assert "--logprobs-mode is set by" in capsys.readouterr().err
