@@ -29,6 +29,40 @@ def source_fingerprint(*objs: Callable[..., object] | type | ModuleType) -> str:
     return h.hexdigest()[:32]
 
 
+def code_closure(
+    *objs: Callable[..., object] | type | ModuleType, package: str
+) -> list[ModuleType]:
+    """Every module of `package` whose code the given functions/classes/modules may execute:
+    their own modules and, transitively, the package's modules they reference (imported as
+    modules, or through a function/class imported from them), sorted by name.
+
+    An implementation's fingerprint covers this closure, so editing any helper it calls, in
+    any module, changes its hash (a hand-kept list of functions misses helpers).
+    """
+    import sys
+
+    def in_package(mod: ModuleType | None) -> bool:
+        return mod is not None and (
+            mod.__name__ == package or mod.__name__.startswith(package + ".")
+        )
+
+    seen: dict[str, ModuleType] = {}
+    stack = [o if isinstance(o, ModuleType) else sys.modules[o.__module__] for o in objs]
+    while stack:
+        mod = stack.pop()
+        if mod.__name__ in seen or not in_package(mod):
+            continue
+        seen[mod.__name__] = mod
+        for value in vars(mod).values():
+            if isinstance(value, ModuleType):
+                dep: ModuleType | None = value
+            else:
+                dep = sys.modules.get(getattr(value, "__module__", None) or "")
+            if dep is not None and in_package(dep) and dep.__name__ not in seen:
+                stack.append(dep)
+    return [seen[name] for name in sorted(seen)]
+
+
 @dataclass(frozen=True)
 class ImplInfo:
     """One implementation of an op: id, version, backend, parameters and a source fingerprint.

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from types import MappingProxyType, ModuleType
 
-from ..impl import ImplInfo, source_fingerprint
+from ..impl import ImplInfo, code_closure, source_fingerprint
 from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
@@ -162,8 +162,14 @@ def get_impl(op: str, **params: object) -> ImplInfo:
     if unknown:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
-    fp = source_fingerprint(*fns, *_COMMON)
+    fp = _fingerprint(*fns)
     return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
+
+
+def _fingerprint(*entry_points: Callable[..., object]) -> str:
+    """Source fingerprint of every ops module the entry points can execute (their modules and
+    the ops modules those use, `code_closure`): any edited helper changes it."""
+    return source_fingerprint(*code_closure(*entry_points, *_COMMON, package=__name__))
 
 
 REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})
@@ -176,7 +182,7 @@ ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
     1,
     BACKEND,
     {"sigmoid": "pointwise-padded", "mul": "model-dtype"},
-    source_fingerprint(attn_output_gate, *_COMMON),
+    _fingerprint(attn_output_gate),
 )
 
 # Backends of the same ops: same function names and signatures, different bits, so a site

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from types import MappingProxyType, ModuleType
 
-from ...impl import ImplInfo, source_fingerprint
+from ...impl import ImplInfo, code_closure, source_fingerprint
 from .. import _pointwise as _torch_pointwise
 from .. import gemm as _torch_gemm
 from .. import logprobs as _torch_logprobs
@@ -144,7 +144,8 @@ def get_triton_impl(op: str, **params: object) -> ImplInfo:
     if unknown:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
-    fp = source_fingerprint(*modules, _runtime)
+    # Every ops module these kernels' modules use (the torch helpers some call included).
+    fp = source_fingerprint(*code_closure(*modules, _runtime, package="isoexec.contract.ops"))
     from isoexec.contract.ops import OP_OF_VARIANT
 
     return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
