@@ -80,7 +80,11 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         help="TP-invariant row-parallel sites (needed to MATCH across TP degrees)",
     )
     s.add_argument("--backend", default="torch", help="canonical kernel backend: torch or triton")
-    s.add_argument("vllm_args", nargs=argparse.REMAINDER, help="passed to vLLM's server")
+    s.add_argument(
+        "vllm_args",
+        nargs=argparse.REMAINDER,
+        help="passed to vLLM's server: everything after MODEL (the flags above go before it)",
+    )
     return p
 
 
