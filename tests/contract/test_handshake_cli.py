@@ -36,7 +36,7 @@ def test_serve_offer_query_and_clean_shutdown(tmp_path: Path) -> None:
         assert serve.stdout is not None
         line = serve.stdout.readline()
         m = re.match(
-            r"isoexec handshake: serving on 127\.0\.0\.1:(\d+) \(expecting "
+            r"isoexec handshake: serving on 127\.0\.0\.1:(\d+) over plaintext \(expecting "
             r"trainer×1, engine×1\)$",
             line.strip(),
         )

@@ -63,7 +63,13 @@ def ep_results(
                 )  # fmt: skip
     top4 = models["tiny-moe-top4", "float32"]
     named["train-refused"] = dict(
-        model=top4, dtype="float32", tp=1, ep=2, isoexec=True, train=True, expect_error=True,
+        model=top4,
+        dtype="float32",
+        tp=1,
+        ep=2,
+        isoexec=True,
+        train=True,
+        expect_error=True,
         seqs=SEQS_BY_RANK[0],
     )
     named["unequal-forwards-refused"] = dict(

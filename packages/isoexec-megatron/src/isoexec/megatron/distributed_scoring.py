@@ -9,7 +9,7 @@ logprobs. Run as `python -m isoexec.megatron.distributed_scoring JOB_JSON OUT_PT
 
 The job (JSON): model, dtype, tp, pp (default 1), isoexec, options (IsoExecOptions mapping), groups
 ([{"temperature": t, "seqs": [[ids]]}]), and optionally handshake ({"address", "token_file",
-"run_id"}: the token is read from a file, never from argv).
+"run_id", optional "tls": ClientTLS fields}: the token is read from a file, never from argv).
 """
 
 from __future__ import annotations
@@ -64,8 +64,11 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
             from isoexec.contract.handshake.client import HandshakeClient
 
             contract = trainer_contract(model, job["model"], job["dtype"])
+            from isoexec.contract.handshake.tls import ClientTLS
+
             token = Path(hs["token_file"]).read_text().strip()
-            with HandshakeClient(hs["address"], token) as client:
+            tls = ClientTLS(**hs["tls"]) if hs.get("tls") else None
+            with HandshakeClient(hs["address"], token, tls=tls) as client:
                 v = client.offer(hs["run_id"], "trainer", dist.get_rank(), contract)
             out["verdict"] = {"outcome": v.outcome, "diff": list(v.diff), "hash": contract.hash}
             if not v.matched:

@@ -293,9 +293,14 @@ class _Handler:
     def contract(self) -> bytes:
         return self.llm.collective_rpc("isoexec_contract")[0]
 
-    def handshake(self, address: str, token: str, run_id: str) -> list[dict[str, Any]]:
-        """Every worker offers its contract, concurrently (one verdict per worker)."""
-        return self.llm.collective_rpc("isoexec_handshake", args=(address, token, run_id))
+    def handshake(
+        self, address: str, token: str, run_id: str, tls: dict[str, str | None] | None = None
+    ) -> list[dict[str, Any]]:
+        """Every worker offers its contract, concurrently (one verdict per worker); `tls`:
+        `ClientTLS` fields for a TLS handshake service."""
+        return self.llm.collective_rpc(
+            "isoexec_handshake", args=(address, token, run_id, 300.0, tls)
+        )
 
     def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:
         """Load HF-named weights on every worker, then drop the now stale prefix cache."""

@@ -67,19 +67,27 @@ class IsoWorkerExtension:
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(
-        self, address: str, token: str, run_id: str, timeout_s: float = 300.0
+        self,
+        address: str,
+        token: str,
+        run_id: str,
+        timeout_s: float = 300.0,
+        tls: dict[str, str | None] | None = None,
     ) -> dict[str, Any]:
         """Offer this worker's contract (as engine rank = its worker rank); clear it for
-        weights only on MATCH. All workers offer concurrently through one collective RPC."""
+        weights only on MATCH. All workers offer concurrently through one collective RPC.
+        `tls`: `ClientTLS` fields (ca, cert, key) to reach a TLS handshake service."""
         from isoexec.contract.handshake.client import HandshakeClient
+        from isoexec.contract.handshake.tls import ClientTLS
 
         rank = int(getattr(self, "rank", 0))
+        client_tls = ClientTLS(**tls) if tls else None
 
-        self._isoexec_gate: tuple[str, str, str, int] | None = None
-        with HandshakeClient(address, token, timeout_s=timeout_s) as client:
+        self._isoexec_gate: tuple[str, str, str, int, ClientTLS | None] | None = None
+        with HandshakeClient(address, token, timeout_s=timeout_s, tls=client_tls) as client:
             verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract())
         if verdict.matched:
-            self._isoexec_gate = (address, token, run_id, rank)
+            self._isoexec_gate = (address, token, run_id, rank, client_tls)
         return {
             "outcome": verdict.outcome,
             "hash": verdict.contract_hash,
@@ -96,8 +104,8 @@ class IsoWorkerExtension:
                 "weight sync refused: this engine worker has no MATCH from the handshake "
                 "(offer the contract first; a restarted worker must offer again)"
             )
-        address, token, run_id, rank = gate
-        with HandshakeClient(address, token, timeout_s=30.0) as client:
+        address, token, run_id, rank, client_tls = gate
+        with HandshakeClient(address, token, timeout_s=30.0, tls=client_tls) as client:
             ok, reason = client.may_receive_weights(run_id, ENGINE_SIDE, rank)
         if not ok:
             raise WeightSyncRefusedError(f"weight sync refused by the handshake service: {reason}")

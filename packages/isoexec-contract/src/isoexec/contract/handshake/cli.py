@@ -16,10 +16,23 @@ NAME = "handshake"
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(NAME, help="serve or use the contract handshake")
     sub = p.add_subparsers(dest="handshake_command", metavar="ACTION", required=True)
-    serve = sub.add_parser("serve", help="run the ContractExchange service until interrupted")
+    # No abbreviations: `--token SECRET` must not pass for `--token-file` (tokens never in argv).
+    serve = sub.add_parser(
+        "serve", help="run the ContractExchange service until interrupted", allow_abbrev=False
+    )
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, default=0, help="port (0: pick a free one)")
-    serve.add_argument("--token-file", required=True, help="file holding the shared auth token")
+    serve.add_argument("--token-file", help=TOKEN_HELP)
+    serve.add_argument("--tls-cert", help="server certificate chain (PEM): serve over TLS")
+    serve.add_argument("--tls-key", help="the server certificate's private key (PEM)")
+    serve.add_argument(
+        "--tls-client-ca", help="require client certificates signed by this CA (mutual TLS)"
+    )
+    serve.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow plaintext on a non-loopback address (the token travels in the clear)",
+    )
     serve.add_argument(
         "--expect",
         action="append",
@@ -28,9 +41,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     serve.add_argument("--rendezvous-timeout", type=float, default=300.0, metavar="S")
     for name, help_text in (("offer", "offer a contract file"), ("query", "may it get weights?")):
-        q = sub.add_parser(name, help=help_text)
+        q = sub.add_parser(name, help=help_text, allow_abbrev=False)
         q.add_argument("--address", required=True, help="host:port of the service")
-        q.add_argument("--token-file", required=True)
+        q.add_argument("--token-file", help=TOKEN_HELP)
+        q.add_argument("--tls-ca", help="CA that signed the server's certificate: use TLS")
+        q.add_argument("--tls-cert", help="this participant's certificate (mutual TLS)")
+        q.add_argument("--tls-key", help="this participant's private key (mutual TLS)")
         q.add_argument("--run-id", required=True)
         q.add_argument("--side", required=True)
         q.add_argument("--rank", type=int, default=0)
@@ -38,6 +54,47 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         if name == "offer":
             q.add_argument("file", help="contract file")
     return p
+
+
+TOKEN_ENV = "ISOEXEC_HANDSHAKE_TOKEN"
+TOKEN_HELP = f"file holding the shared auth token (or set {TOKEN_ENV}; never on the command line)"
+
+
+def _token(args: argparse.Namespace) -> str:
+    """The auth token, from --token-file or the environment (never from argv)."""
+    import os
+
+    if args.token_file:
+        return _read_token(args.token_file)
+    token = os.environ.get(TOKEN_ENV, "").strip()
+    if not token:
+        raise _BadInput(f"no auth token: give --token-file or set {TOKEN_ENV}")
+    return token
+
+
+def _server_tls(args: argparse.Namespace) -> object:
+    from isoexec.contract.handshake.tls import ServerTLS
+
+    if args.tls_cert is None and args.tls_key is None:
+        if args.tls_client_ca:
+            raise _BadInput("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if args.tls_cert is None or args.tls_key is None:
+        raise _BadInput("TLS needs both --tls-cert and --tls-key")
+    return ServerTLS(args.tls_cert, args.tls_key, args.tls_client_ca)
+
+
+def _client_tls(args: argparse.Namespace) -> object:
+    from isoexec.contract.handshake.tls import ClientTLS, TLSConfigError
+
+    if args.tls_ca is None:
+        if args.tls_cert or args.tls_key:
+            raise _BadInput("a client certificate needs --tls-ca (the server's CA)")
+        return None
+    try:
+        return ClientTLS(args.tls_ca, args.tls_cert, args.tls_key)
+    except TLSConfigError as e:
+        raise _BadInput(str(e)) from None
 
 
 def _read_token(path: str) -> str:
@@ -80,7 +137,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     from isoexec.contract.handshake.server import HandshakeServer
 
-    token = _read_token(args.token_file)
+    token = _token(args)
     expected = _parse_expect(args.expect)
     try:
         server = HandshakeServer(
@@ -89,6 +146,8 @@ def _serve(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             rendezvous_timeout_s=args.rendezvous_timeout,
+            tls=_server_tls(args),  # type: ignore[arg-type]
+            insecure=args.insecure,
         )
         port = server.start()
     except (ValueError, OSError, RuntimeError) as e:
@@ -97,7 +156,10 @@ def _serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: done.set())
     parts = ", ".join(f"{s}×{n}" for s, n in expected.items())
-    print(f"isoexec handshake: serving on {args.host}:{port} (expecting {parts})", flush=True)
+    mode = "plaintext" if server.tls is None else "TLS"
+    mode = "mutual TLS" if args.tls_client_ca else mode
+    print(f"isoexec handshake: serving on {args.host}:{port} over {mode} (expecting {parts})",
+          flush=True)  # fmt: skip
     try:
         done.wait()
     finally:
@@ -110,8 +172,9 @@ def _participant(args: argparse.Namespace) -> int:
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.types import HandshakeError
 
-    token = _read_token(args.token_file)
-    with HandshakeClient(args.address, token, timeout_s=args.timeout) as client:
+    token = _token(args)
+    tls = _client_tls(args)
+    with HandshakeClient(args.address, token, timeout_s=args.timeout, tls=tls) as client:  # type: ignore[arg-type]
         try:
             if args.handshake_command == "query":
                 ok, reason = client.may_receive_weights(args.run_id, args.side, args.rank)

@@ -17,6 +17,7 @@ import grpc
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
+from isoexec.contract.handshake.tls import ClientTLS
 from isoexec.contract.handshake.types import (
     DEFAULT_MAX_MESSAGE_BYTES,
     OFFER_METHOD,
@@ -27,13 +28,20 @@ from isoexec.contract.handshake.types import (
 )
 
 _RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_TLS_FAILURE_MARKS = ("ssl", "certificate", "tls handshake", "handshake failed")
+
+
+def _is_tls_failure(details: str) -> bool:
+    low = details.lower()
+    return any(mark in low for mark in _TLS_FAILURE_MARKS)
 
 
 class HandshakeClient:
     """`HandshakeClient("host:port", token).offer(run_id, side, rank, contract) -> Verdict`.
 
-    `timeout_s` is the overall limit of one `offer` (all attempts, including the wait for the
-    other participants); `max_attempts` bounds retries of transient failures.
+    `tls` (`ClientTLS`): connect over TLS, trusting its CA (and presenting its certificate for
+    mutual TLS). `timeout_s` is the overall limit of one `offer` (all attempts, including the
+    wait for the other participants); `max_attempts` bounds retries of transient failures.
     """
 
     def __init__(
@@ -46,6 +54,7 @@ class HandshakeClient:
         backoff_s: float = 0.2,
         max_backoff_s: float = 5.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        tls: ClientTLS | None = None,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be ≥ 1")
@@ -56,16 +65,18 @@ class HandshakeClient:
         self.max_backoff_s = max_backoff_s
         self.max_message_bytes = max_message_bytes
         self._metadata = ((TOKEN_METADATA_KEY, token),)
-        self._channel = grpc.insecure_channel(
-            address,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-                # Reconnect promptly after a server restart instead of gRPC's slow default.
-                ("grpc.initial_reconnect_backoff_ms", 100),
-                ("grpc.max_reconnect_backoff_ms", 1000),
-            ],
-        )
+        options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+            # Reconnect promptly after a server restart instead of gRPC's slow default.
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
+        ]
+        self.tls = tls
+        if tls is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, tls.credentials(), options=options)
         self._offer = self._channel.unary_unary(
             OFFER_METHOD,
             request_serializer=pb.OfferRequest.SerializeToString,
@@ -133,6 +144,10 @@ class HandshakeClient:
                 code = e.code() if hasattr(e, "code") else grpc.StatusCode.UNKNOWN
                 details = (e.details() if hasattr(e, "details") else "") or str(code)
                 retryable = code in _RETRYABLE and "larger than max" not in details
+                if retryable and _is_tls_failure(details):  # a retry cannot fix a certificate
+                    raise HandshakeError(
+                        code, f"TLS handshake with {self.address} failed: {details}"
+                    ) from None
                 if not retryable or self.attempts_made >= self.max_attempts:
                     if retryable:
                         details = f"{details} (gave up after {self.attempts_made} attempts)"

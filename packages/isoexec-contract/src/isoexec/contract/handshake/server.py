@@ -30,6 +30,7 @@ from google.protobuf.message import DecodeError
 from isoexec.contract.contract import Contract, ContractError, SchemaVersionError
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
 from isoexec.contract.handshake.rendezvous import Rendezvous
+from isoexec.contract.handshake.tls import ServerTLS, check_plaintext_allowed
 from isoexec.contract.handshake.types import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MIN_TOKEN_CHARS,
@@ -78,9 +79,11 @@ class HandshakeServer:
     ...     # participants call HandshakeClient(f"127.0.0.1:{port}", token).offer(...)
     ...     srv.may_receive_weights("run-1", "engine", 0)
 
-    `rendezvous_timeout_s` bounds a round (counted from its first offer); `max_message_bytes`
-    caps requests and replies; `max_workers` threads serve calls (waiting offers hold one
-    each; calls beyond it get RESOURCE_EXHAUSTED and the client retries).
+    `tls` (`ServerTLS`): serve over TLS, with mutual TLS when it names a client CA. Without it
+    a non-loopback `host` is refused unless `insecure=True` (the token would travel in the
+    clear). `rendezvous_timeout_s` bounds a round (counted from its first offer);
+    `max_message_bytes` caps requests and replies; `max_workers` threads serve calls (waiting
+    offers hold one each; calls beyond it get RESOURCE_EXHAUSTED and the client retries).
     """
 
     def __init__(
@@ -94,9 +97,14 @@ class HandshakeServer:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int | None = None,
         max_runs: int = 1024,
+        tls: ServerTLS | None = None,
+        insecure: bool = False,
     ) -> None:
         if not isinstance(token, str) or len(token) < MIN_TOKEN_CHARS or not token.isascii():
             raise ValueError(f"auth token must be an ASCII string of ≥ {MIN_TOKEN_CHARS} chars")
+        if tls is None:  # plaintext only on loopback, or when asked for explicitly
+            check_plaintext_allowed(host, insecure=insecure)
+        self.tls = tls
         self.rendezvous = Rendezvous(expected, timeout_s=rendezvous_timeout_s, max_runs=max_runs)
         self._token = token.encode("ascii")
         self.host = host
@@ -141,7 +149,11 @@ class HandshakeServer:
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         host = f"[{self.host}]" if ":" in self.host else self.host
-        port = server.add_insecure_port(f"{host}:{self._requested_port}")
+        addr = f"{host}:{self._requested_port}"
+        if self.tls is None:
+            port = server.add_insecure_port(addr)
+        else:
+            port = server.add_secure_port(addr, self.tls.credentials())
         if port == 0:
             raise OSError(f"cannot bind {self.host}:{self._requested_port}")
         server.start()
