@@ -243,6 +243,7 @@ def register_qwen3_5() -> None:
     Called from `install_plugin`, i.e. only when `ISOEXEC=1`; with it off vLLM keeps its own
     (lazily imported) registration.
     """
+    from isoexec.vllm.weight_gate import gated
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(ARCHITECTURE, IsoQwen3_5ForCausalLM)
+    ModelRegistry.register_model(ARCHITECTURE, gated(IsoQwen3_5ForCausalLM))

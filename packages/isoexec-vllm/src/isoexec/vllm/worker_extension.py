@@ -17,15 +17,13 @@ import torch
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.vllm import weight_gate
 from isoexec.vllm.readback import read_sites
+from isoexec.vllm.weight_gate import WeightSyncRefusedError
 from isoexec.vllm.weights import hf_named_weights
 
 QUALNAME = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 ENGINE_SIDE = "engine"
-
-
-class WeightSyncRefusedError(RuntimeError):
-    """Weights were offered to a worker that is not cleared, or arrived damaged."""
 
 
 class IsoWorkerExtension:
@@ -83,32 +81,17 @@ class IsoWorkerExtension:
         rank = int(getattr(self, "rank", 0))
         client_tls = ClientTLS(**tls) if tls else None
 
-        self._isoexec_gate: tuple[str, str, str, int, ClientTLS | None] | None = None
+        weight_gate.revoke()  # no weights while this offer is open or if it does not MATCH
         with HandshakeClient(address, token, timeout_s=timeout_s, tls=client_tls) as client:
             verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract())
         if verdict.matched:
-            self._isoexec_gate = (address, token, run_id, rank, client_tls)
+            weight_gate.grant(weight_gate.Clearance(address, token, run_id, rank, client_tls))
         return {
             "outcome": verdict.outcome,
             "hash": verdict.contract_hash,
             "summary": verdict.summary,
             "diff": list(verdict.diff),
         }
-
-    def _isoexec_check_gate(self) -> None:
-        from isoexec.contract.handshake.client import HandshakeClient
-
-        gate = getattr(self, "_isoexec_gate", None)
-        if gate is None:
-            raise WeightSyncRefusedError(
-                "weight sync refused: this engine worker has no MATCH from the handshake "
-                "(offer the contract first; a restarted worker must offer again)"
-            )
-        address, token, run_id, rank, client_tls = gate
-        with HandshakeClient(address, token, timeout_s=30.0, tls=client_tls) as client:
-            ok, reason = client.may_receive_weights(run_id, ENGINE_SIDE, rank)
-        if not ok:
-            raise WeightSyncRefusedError(f"weight sync refused by the handshake service: {reason}")
 
     def isoexec_load_weights(self, path: str, expected_fingerprint: str) -> str:
         """Load HF-named weights from a safetensors file; return the live weights' fingerprint.
@@ -118,7 +101,7 @@ class IsoWorkerExtension:
         """
         from safetensors.torch import load_file
 
-        self._isoexec_check_gate()
+        weight_gate.require_match("isoexec_load_weights")
         received = load_file(path)
         got = WeightFingerprint.of(received).digest
         if got != expected_fingerprint:
@@ -128,9 +111,19 @@ class IsoWorkerExtension:
             )
         model = self.model_runner.model
         with torch.no_grad():
-            model.load_weights(iter(received.items()))
+            model.load_weights(iter(received.items()))  # through the gate (`weight_gate`)
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         return self.isoexec_weight_fingerprint()
+
+    def isoexec_gate_status(self) -> dict[str, Any]:
+        """Whether this worker is cleared, how many gated loads it took, and the fingerprint
+        recorded after the last one."""
+        st = weight_gate.STATE
+        return {
+            "cleared": st.clearance is not None,
+            "gated_loads": st.gated_loads,
+            "last_fingerprint": st.last_fingerprint,
+        }
 
     def isoexec_param_shapes(self) -> list[tuple[str, list[int], str]]:
         """(name, shape, dtype) of every parameter vLLM holds (to debug weight layouts)."""

@@ -1,0 +1,151 @@
+"""The weight gate on every path that writes an engine worker's parameters.
+
+Every way vLLM 0.32 writes a model's weights after it is built ends in the model's
+`load_weights`: the initial checkpoint load, `collective_rpc("reload_weights")`
+(`model_loader.reload.inplace`), the weight-transfer engines behind `update_weights` (IPC,
+NCCL, M2N, sharded RDT), an RL framework's own worker extension, and IsoExec's
+`isoexec_load_weights`. With `ISOEXEC=1` IsoExec serves each supported architecture with a
+subclass of vLLM's model class (`ModelRegistry.register_model`, vLLM's extension point) whose
+`load_weights` lets the first call (the checkpoint the engine starts from) through and then
+requires this worker's MATCH, asking the handshake service on every call (a later verdict or
+a restarted run revokes it). After a gated load it records the fingerprint of the weights the
+worker now holds (HF names, as the trainer exports them).
+
+The gate state is per process: a vLLM worker process holds one worker.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from isoexec.contract.ops.gemm import clear_packed_weight_cache
+
+log = logging.getLogger(__name__)
+ENGINE_SIDE = "engine"
+
+
+class WeightSyncRefusedError(RuntimeError):
+    """Weights were offered to a worker that is not cleared, or arrived damaged."""
+
+
+@dataclass(frozen=True)
+class Clearance:
+    """Where this worker got its MATCH: the service to ask before every weight write."""
+
+    address: str
+    token: str
+    run_id: str
+    rank: int
+    tls: Any = None  # ClientTLS | None
+
+
+@dataclass
+class GateState:
+    clearance: Clearance | None = None
+    gated_loads: int = 0
+    last_fingerprint: str | None = None  # of the weights held after the last gated load
+
+
+STATE = GateState()
+
+
+def grant(clearance: Clearance) -> None:
+    """This worker got MATCH (`isoexec_handshake`)."""
+    STATE.clearance = clearance
+
+
+def revoke() -> None:
+    """A new offer is under way or did not MATCH: no weights until it does."""
+    STATE.clearance = None
+
+
+def require_match(path: str) -> None:
+    """Raise `WeightSyncRefusedError` unless this worker has a MATCH the service still holds."""
+    from isoexec.contract.handshake.client import HandshakeClient
+
+    c = STATE.clearance
+    if c is None:
+        raise WeightSyncRefusedError(
+            f"weight write through {path} refused: this engine worker has no MATCH from the "
+            "handshake (offer the contract first; a restarted worker must offer again)"
+        )
+    with HandshakeClient(c.address, c.token, timeout_s=30.0, tls=c.tls) as client:
+        ok, reason = client.may_receive_weights(c.run_id, ENGINE_SIDE, c.rank)
+    if not ok:
+        raise WeightSyncRefusedError(
+            f"weight write through {path} refused by the handshake service: {reason}"
+        )
+
+
+class GatedLoadWeights:
+    """Mixin before a vLLM model class: `load_weights` passes the gate after the first load."""
+
+    _isoexec_loaded_once = False
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Any:
+        gated = self._isoexec_loaded_once
+        if gated:
+            require_match(f"{type(self).__name__}.load_weights")
+        out = super().load_weights(weights)  # type: ignore[misc]
+        self._isoexec_loaded_once = True
+        clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
+        if gated:
+            STATE.gated_loads += 1
+            STATE.last_fingerprint = _fingerprint(self)
+            log.info("isoexec: weights loaded through the gate; fingerprint %s",
+                     STATE.last_fingerprint)  # fmt: skip
+        return out
+
+
+def _fingerprint(model: Any) -> str | None:
+    """Fingerprint of the weights `model` holds, in HF names; None where the layout is not
+    mapped back (a sharded engine, TP>1)."""
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.vllm.weights import UnsupportedWeightLayoutError, hf_named_weights
+
+    hf = model.config.to_dict()  # the HF config vLLM built the model from
+    try:
+        return WeightFingerprint.of(hf_named_weights(model, hf)).digest
+    except UnsupportedWeightLayoutError:
+        return None
+
+
+GATED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM": "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next:Qwen3NextForCausalLM",
+}
+
+
+def gated(base: type) -> type:
+    """`base` with the gated `load_weights` (same name, same interfaces)."""
+    return type(base.__name__, (GatedLoadWeights, base), {"__module__": __name__})
+
+
+def register_gated_models() -> None:
+    """Serve the supported architectures with gated subclasses (before any model is built)."""
+    import importlib
+
+    from vllm import ModelRegistry
+
+    for arch, target in GATED_ARCHITECTURES.items():
+        module, name = target.split(":")
+        ModelRegistry.register_model(arch, gated(getattr(importlib.import_module(module), name)))
+
+
+__all__ = [
+    "GATED_ARCHITECTURES",
+    "STATE",
+    "Clearance",
+    "GatedLoadWeights",
+    "WeightSyncRefusedError",
+    "grant",
+    "register_gated_models",
+    "require_match",
+    "revoke",
+]
