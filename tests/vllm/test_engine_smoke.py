@@ -40,6 +40,19 @@ def test_engine_start_failure_leaves_nothing(tmp_path) -> None:
     assert engine_process._LIVE_GROUPS == live_before
 
 
+def test_logprobs_mode_drift_is_refused_at_startup(tiny_dense_dir: str) -> None:
+    """An IsoExec engine asked to return raw logprobs (not the distribution it samples from,
+    which is what the trainer scores) refuses to start, and leaves no process behind."""
+    from isoexec.vllm import engine_process
+
+    live_before = set(engine_process._LIVE_GROUPS)
+    cfg = EngineConfig(model=tiny_dense_dir, isoexec=True, logprobs_mode="raw_logprobs",
+                       enforce_eager=True)  # fmt: skip
+    with pytest.raises(Exception, match="IsoExec returns 'processed_logprobs'"):
+        EngineProcess(cfg, start_timeout_s=600)
+    assert engine_process._LIVE_GROUPS == live_before
+
+
 def test_isoexec_multiprocess_engine_matches_in_process(
     tiny_dense_dir: str, engine_pool: Callable[..., EngineProcess]
 ) -> None:
