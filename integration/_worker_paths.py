@@ -22,3 +22,17 @@ def model_is_gated(worker: Any) -> bool:
     from isoexec.vllm.weight_gate import GatedLoadWeights
 
     return isinstance(worker.model_runner.model, GatedLoadWeights)
+
+
+def transfer_backends(worker: Any) -> dict[str, str]:
+    """Each registered weight-transfer backend: "ok" if vLLM would create it, else the error."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    out = {}
+    for name, loader in WeightTransferEngineFactory._registry.items():
+        try:
+            loader()
+            out[name] = "ok"
+        except Exception as e:  # an uninstalled optional backend raises ImportError
+            out[name] = f"{type(e).__name__}: {e}"
+    return out

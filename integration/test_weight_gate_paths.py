@@ -3,8 +3,8 @@ and records the fingerprint of what the worker holds afterwards.
 
 Paths: vLLM's `collective_rpc("reload_weights")`, `model.load_weights` from a framework's own
 worker code, IsoExec's `isoexec_load_weights`, and vLLM's weight-transfer engines (IPC, NCCL,
-M2N, sharded RDT), which all write through the model's `load_weights` (checked in their
-source here; they need a GPU transport to run). Before the handshake each path is refused;
+M2N write through the model's `load_weights`; sparse NCCL, sharded RDT and modelexpress,
+which write elsewhere, are refused). Before the handshake each path is refused;
 after MATCH each goes through and the fingerprint recorded equals the trainer's export. Stock
 engines (ISOEXEC=0) keep vLLM's own model classes.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _worker_paths import framework_load_weights, model_is_gated
+from _worker_paths import framework_load_weights, model_is_gated, transfer_backends
 
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.pair import handshake
@@ -64,21 +64,27 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
         engine.call("collective_rpc", framework_load_weights)
 
 
-def test_weight_transfer_engines_write_through_the_gated_load_weights() -> None:
-    """vLLM's weight-transfer backends (behind `update_weights`) write parameters through the
-    model's `load_weights`, which the gated model classes guard. One exception, measured in
-    the source: the sharded RDT backend writes `param.data` directly on its fast path, after a
-    first update that bakes its plan through `load_weights` (gated); its later updates are not
-    gated (a known gap; it needs a GPU transport to run)."""
+def test_weight_transfer_backends_are_gated_or_refused(
+    model_factory: Callable[[str, str], str], engine_pool: Callable[..., Any]
+) -> None:
+    """vLLM's weight-transfer backends (behind `update_weights`): those that write through the
+    model's `load_weights` (IPC, NCCL, M2N: checked in their source; running them needs a GPU
+    transport) pass the gate; those that write elsewhere (sparse NCCL's weight patches, the
+    sharded RDT fast path, the external modelexpress) are refused in an IsoExec worker."""
     import importlib
 
-    direct = set()
-    for name in ("ipc_engine", "nccl_engine", "m2n_engine", "sharded_rdt_engine"):
+    from isoexec.vllm.weight_gate import UNGATED_TRANSFER_BACKENDS
+
+    for name in ("ipc_engine", "nccl_engine", "m2n_engine"):
         src = inspect.getsource(importlib.import_module(f"vllm.distributed.weight_transfer.{name}"))
-        assert ".load_weights(" in src, name
-        if "param.data" in src:
-            direct.add(name)
-    assert direct == {"sharded_rdt_engine"}
+        assert ".load_weights(" in src and "param.data" not in src, name
+    engine = engine_pool(model=model_factory("tiny-dense", "float32"), dtype="float32",
+                         isoexec=True, seed=11)  # fmt: skip
+    (backends,) = engine.call("collective_rpc", transfer_backends)
+    for name in UNGATED_TRANSFER_BACKENDS:
+        assert "writes parameters outside the model's load_weights" in backends[name], name
+    for name in ("ipc", "nccl", "nccl_m2n"):
+        assert backends[name] == "ok", (name, backends[name])
 
 
 def test_stock_engine_keeps_vllms_model_class(

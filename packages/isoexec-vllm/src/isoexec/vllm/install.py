@@ -23,7 +23,7 @@ def install_plugin() -> None:
     from isoexec.vllm.moe import register_moe
     from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.sampler import install_sampler
-    from isoexec.vllm.weight_gate import register_gated_models
+    from isoexec.vllm.weight_gate import refuse_ungated_transfer_backends, register_gated_models
 
     enable_packed_weight_cache()
     register_layers()
@@ -33,6 +33,7 @@ def install_plugin() -> None:
     register_qwen3_5()  # IsoExec's own text-only Qwen3_5ForCausalLM (stock one needs torchvision)
     install_sampler()
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
+    refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
     _INSTALLED = True
 
 
