@@ -1,7 +1,8 @@
 """IsoExec vs native overhead, side by side, measured in one run (alternating, medians).
 
 Engine: generation throughput (tokens/s) of a real vLLM with IsoExec on vs off, both engines
-alive at once and called in alternation so machine drift hits both arms alike. Trainer:
+alive at once and called in alternation so machine drift hits both arms alike, once with both
+in vLLM's default compiled mode and once both eager. Trainer:
 forward+backward time per token of a real Megatron model, IsoExec vs native, alternating, on
 the sequences the engine generated (prompt + completion). Then a per-op profile of the IsoExec
 trainer step (time inside each canonical forward op); `benchmarks/engine_profile.py` does the
@@ -78,9 +79,10 @@ def make_model(
 
 
 def bench_engine(
-    model: Path, prompts: int, tokens: int, reps: int, dtype: str
+    model: Path, prompts: int, tokens: int, reps: int, dtype: str, eager: bool = False
 ) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """Engine throughput both ways; also returns the IsoExec arm's sequences (for the trainer)."""
+    """Engine throughput both ways, both arms in the same mode (vLLM's default compiled mode,
+    or `eager`); also returns the IsoExec arm's sequences (for the trainer)."""
     from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
     gen = torch.Generator().manual_seed(0)
@@ -91,10 +93,14 @@ def bench_engine(
     seqs: list[torch.Tensor] = []
     with (
         EngineProcess(
-            EngineConfig(model=str(model), dtype=dtype, isoexec=True, kv_cache_bytes=kv)
+            EngineConfig(
+                model=str(model), dtype=dtype, isoexec=True, kv_cache_bytes=kv, enforce_eager=eager
+            )
         ) as iso,
         EngineProcess(
-            EngineConfig(model=str(model), dtype=dtype, isoexec=False, kv_cache_bytes=kv)
+            EngineConfig(
+                model=str(model), dtype=dtype, isoexec=False, kv_cache_bytes=kv, enforce_eager=eager
+            )
         ) as nat,
     ):
         for eng in (iso, nat):  # warm-up
@@ -211,15 +217,23 @@ def main() -> None:
             Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"], args.family, dtype
         )
         engine, seqs = bench_engine(model, size["prompts"], size["tokens"], args.reps, dtype)
+        eager, _ = bench_engine(
+            model, size["prompts"], size["tokens"], args.reps, dtype, eager=True
+        )
         trainer = bench_trainer(model, seqs, args.reps, dtype)
     settings = {**vars(args), **size, "dtype": dtype, "prompt_len": PROMPT_LEN}
-    result = {"settings": settings, "engine": engine, "trainer": trainer}
+    result = {"settings": settings, "engine": engine, "engine_eager": eager, "trainer": trainer}
     Path(args.out).write_text(json.dumps(result, indent=2))
     e, t = engine["tokens_per_s"], trainer["s_per_token"]
     print(f"{args.family} {args.size} {dtype}")
     print(
-        f"engine generation  isoexec {e['isoexec']:.1f} tok/s  native {e['native']:.1f} tok/s  "
+        f"engine (compiled)  isoexec {e['isoexec']:.1f} tok/s  native {e['native']:.1f} tok/s  "
         f"overhead {engine['ratio']:.2f}x"
+    )
+    ee = eager["tokens_per_s"]
+    print(
+        f"engine (eager)     isoexec {ee['isoexec']:.1f} tok/s  native {ee['native']:.1f} tok/s  "
+        f"overhead {eager['ratio']:.2f}x"
     )
     print(
         f"trainer fwd+bwd    isoexec {1e3 * t['isoexec']:.3f} ms/tok  native "
