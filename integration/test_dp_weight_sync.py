@@ -51,7 +51,7 @@ def test_dp2_step_syncs_to_the_engine_bitwise(
                export_after_step=True, max_tokens=20, contract=True)  # fmt: skip
     (trained,) = run_tp_jobs([job], SEQS, nproc=2)  # DP=2
     # A dedicated engine (seed 7): its weights change, so no other test may share it.
-    engine = engine_pool(model=model, isoexec=True, seed=7)
+    engine = engine_pool(model=model, isoexec=True, seed=7, enforce_eager=True)
     token = secrets.token_hex(16)
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:  # the gate asks it
         contract = Contract.from_bytes(trained["contract"])

@@ -65,7 +65,12 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], st
 
 
 def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, **kw: Any) -> Any:
-    return engine_pool(model=model, dtype=dtype, max_num_batched_tokens=CHUNK, **kw)
+    # Eager, to keep CI within its budget: these tests are about the TP layout; the compiled
+    # path at TP=2 runs in the `isoexec pair --engine-tp 2` tests below (vLLM's default mode),
+    # and compiled == eager is shown in tests/vllm/test_compiled_engine.py.
+    return engine_pool(
+        model=model, dtype=dtype, max_num_batched_tokens=CHUNK, enforce_eager=True, **kw
+    )
 
 
 @pytest.fixture(scope="module")

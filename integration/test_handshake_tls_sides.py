@@ -41,7 +41,9 @@ def test_both_sides_over_mutual_tls_then_gated_weight_sync(
     model = model_factory("tiny-dense", "float32")
     hf = json.loads((Path(model) / "config.json").read_text())
     trainer = trainer_factory(model, "float32")
-    engine = engine_pool(model=model, dtype="float32", isoexec=True, seed=7)  # its own engine
+    engine = engine_pool(
+        model=model, dtype="float32", isoexec=True, seed=7, enforce_eager=True
+    )  # its own engine
     token = secrets.token_hex(16)
     mtls = ServerTLS(pki["server"], pki["server_key"], client_ca=pki["ca"])
     with HandshakeServer({"trainer": 1, "engine": 1}, token, host="127.0.0.1", tls=mtls) as srv:

@@ -53,7 +53,9 @@ def dense(model_factory: Callable[[str, str], str]) -> str:
 def iso_engine_trace(
     dense: str, engine_pool: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory
 ) -> Trace:
-    engine = engine_pool(model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK)
+    engine = engine_pool(
+        model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK, enforce_eager=True
+    )  # tracing needs eager (module hooks)
     path = tmp_path_factory.mktemp("traces") / "engine.trace.json"
     summary = engine.call("trace", _sequences(dense), str(path), True)
     assert summary["sequences"] == 2
@@ -129,7 +131,9 @@ def test_changed_tile_in_one_layer_is_located_there(
 
     core = fresh_trainer.decoder.layers[1].self_attention.core_attention
     widen_attention_tile(core)
-    engine = engine_pool(model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK)
+    engine = engine_pool(
+        model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK, enforce_eager=True
+    )  # tracing needs eager (module hooks)
     r = locate_pair(engine, fresh_trainer, _hf(dense), _sequences(dense), tmp_path)
     print(format_result(r))
     assert r.first is not None
@@ -148,7 +152,13 @@ def test_native_arm_has_a_real_first_divergence(
     trainer_factory: Callable[..., Any],
     tmp_path: Path,
 ) -> None:
-    engine = engine_pool(model=dense, dtype="float32", isoexec=False, max_num_batched_tokens=CHUNK)
+    engine = engine_pool(
+        model=dense,
+        dtype="float32",
+        isoexec=False,
+        max_num_batched_tokens=CHUNK,
+        enforce_eager=True,
+    )  # tracing needs eager (module hooks)
     trainer = trainer_factory(dense, "float32", isoexec=False)
     r = locate_pair(engine, trainer, _hf(dense), _sequences(dense), tmp_path)
     report = format_result(r)

@@ -37,7 +37,7 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
 
     model = model_factory("tiny-dense", "float32")
     hf = json.loads((Path(model) / "config.json").read_text())
-    engine = engine_pool(model=model, dtype="float32", isoexec=True, seed=11)  # its own worker
+    engine = engine_pool(model=model, dtype="float32", isoexec=True, seed=11, enforce_eager=True)
     assert engine.call("collective_rpc", model_is_gated) == [True]
     for path, call in (
         ("reload_weights", lambda: engine.call("collective_rpc", "reload_weights")),
@@ -79,7 +79,7 @@ def test_weight_transfer_backends_are_gated_or_refused(
         src = inspect.getsource(importlib.import_module(f"vllm.distributed.weight_transfer.{name}"))
         assert ".load_weights(" in src and "param.data" not in src, name
     engine = engine_pool(model=model_factory("tiny-dense", "float32"), dtype="float32",
-                         isoexec=True, seed=11)  # fmt: skip
+                         isoexec=True, seed=11, enforce_eager=True)  # fmt: skip
     (backends,) = engine.call("collective_rpc", transfer_backends)
     for name in UNGATED_TRANSFER_BACKENDS:
         assert "writes parameters outside the model's load_weights" in backends[name], name

@@ -41,7 +41,7 @@ def test_weight_sync_restart_and_partial_transfer(
     token = secrets.token_hex(16)
 
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
-        engine = EngineProcess(EngineConfig(model=model_dir, isoexec=True))
+        engine = EngineProcess(EngineConfig(model=model_dir, isoexec=True, enforce_eager=True))
         try:
             tv, ev = handshake(contract, engine, "sync", server=server, token=token)
             assert tv.matched and ev["outcome"] == "MATCH"
@@ -72,7 +72,7 @@ def test_weight_sync_restart_and_partial_transfer(
             engine.close()
 
         # Engine restart: the new worker must offer its contract again before taking weights.
-        restarted = EngineProcess(EngineConfig(model=model_dir, isoexec=True))
+        restarted = EngineProcess(EngineConfig(model=model_dir, isoexec=True, enforce_eager=True))
         try:
             with pytest.raises(EngineError, match="no MATCH from the handshake"):
                 restarted.call("load_weights", str(path), sent)

@@ -74,3 +74,16 @@ def test_negative_control_stock_compiled_differs_from_stock_eager(
             break
     print("stock vLLM compiled vs eager, prompt logprobs that differ:", found)
     assert any(found.values()), found
+
+
+def test_per_site_tracing_refuses_a_compiled_engine(
+    model_factory: Callable[[str, str], str], engine_pool: Callable[..., Any], tmp_path: Path
+) -> None:
+    """Module hooks do not run inside a compiled graph: tracing says so instead of returning an
+    empty trace (`isoexec pair --locate` starts its engine eager)."""
+    from isoexec.vllm.engine_process import EngineError
+
+    engine = engine_pool(model=model_factory("tiny-dense", "bfloat16"), dtype="bfloat16",
+                         isoexec=True, enforce_eager=False, max_num_batched_tokens=CHUNK)  # fmt: skip
+    with pytest.raises(EngineError, match="per-site tracing needs an eager engine"):
+        engine.call("trace", [[1, 2, 3]], str(tmp_path / "trace"))

@@ -57,13 +57,15 @@ def test_checks_detect_an_injected_batch_dependent_site(
     above depends on which BLAS paths the CPU takes): an IsoExec engine whose final norm is one
     ulp off in steps of more than 200 tokens changes the co-batched prompt's logprobs.
 
-    A separate engine (seed 1) carries the fault, so no other test shares it.
+    A separate engine (seed 1) carries the fault, so no other test shares it. It is eager: the
+    fault replaces a module's forward after startup, which a compiled graph would not see.
     """
     model = model_factory("tiny-dense", "float32")
-    eng = engine_pool(model=model, isoexec=True, seed=1)
+    faulty = {"seed": 1, "enforce_eager": True}
+    eng = engine_pool(model=model, isoexec=True, **faulty)
     eng.call("collective_rpc", inject_batch_dependent_final_norm)
     diffs = differences(observations(engine_pool, model, "float32", 512, chunked_prefill=False,
-                                     extra={"seed": 1}))  # fmt: skip
+                                     extra=faulty))  # fmt: skip
     print("faulty isoexec engine mismatches per situation:", diffs)
     assert diffs["co_batched"] > 0, diffs
     assert diffs["decode_vs_prefill"] == 0, diffs  # steps of <= 200 tokens are untouched

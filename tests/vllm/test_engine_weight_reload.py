@@ -111,13 +111,13 @@ def test_three_reloads_match_fresh_engines(
     def fresh_engines() -> dict[int, dict[str, torch.Tensor]]:
         seen = {}
         for k in (2, 3):
-            fresh = engine_pool(model=str(tmp_path / f"w{k}"), isoexec=True)
+            fresh = engine_pool(model=str(tmp_path / f"w{k}"), isoexec=True, enforce_eager=True)
             assert fresh.call("weight_fingerprint") == [ckpt[k][1]]
             seen[k] = _observe(fresh)
         return seen
 
     # The engine that reloads: only this test uses its config (a model dir of its own).
-    eng = engine_pool(model=str(tmp_path / "w1"), isoexec=True)
+    eng = engine_pool(model=str(tmp_path / "w1"), isoexec=True, enforce_eager=True)
     # From here only the background thread calls `engine_pool` (the pool is not thread-safe).
     with ThreadPoolExecutor(max_workers=1) as background:
         fresh_seen = background.submit(fresh_engines)

@@ -37,7 +37,9 @@ def test_weight_sync_gate_fingerprints_and_reload(
     tmp_path: Path, tiny_dense_dir: str, engine_pool: Callable[..., Any]
 ) -> None:
     # A dedicated engine: this test changes its weights.
-    eng = EngineProcess(EngineConfig(model=tiny_dense_dir, isoexec=True, seed=1))
+    eng = EngineProcess(
+        EngineConfig(model=tiny_dense_dir, isoexec=True, seed=1, enforce_eager=True)
+    )
     try:
         contract = Contract.from_bytes(eng.call("contract"))
         assert not contract.native_sites
@@ -77,6 +79,6 @@ def test_weight_sync_gate_fingerprints_and_reload(
 
     # 4. The reloaded engine scores exactly like a fresh engine built from those weights.
     fresh_dir = tmp_path / "step1"
-    fresh = engine_pool(model=str(fresh_dir), isoexec=True)
+    fresh = engine_pool(model=str(fresh_dir), isoexec=True, enforce_eager=True)
     assert [o.prompt_logprobs for o in fresh.generate(prompts, spec)] == reloaded
     assert fresh.call("weight_fingerprint") == [expected]

@@ -95,6 +95,9 @@ def run_arm(
     engine_cfg = EngineConfig(
         model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
         options=options, tensor_parallel_size=engine_tp,
+        # --locate traces the engine per site: module hooks need eager mode (compiled and eager
+        # engines compute the same bits, tests/vllm/test_compiled_engine.py)
+        enforce_eager=locate_dir is not None,
     )  # fmt: skip
     if trainer_tp * trainer_pp > 1:
         if locate_dir is not None:

@@ -143,6 +143,12 @@ class IsoWorkerExtension:
 
         if getattr(self, "_isoexec_tracer", None) is not None:
             raise RuntimeError("a trace is already running on this worker")
+        if not self.model_runner.model_config.enforce_eager:
+            raise RuntimeError(
+                "per-site tracing needs an eager engine: its module hooks do not run inside "
+                "vLLM's compiled graph (start the engine with enforce_eager=True; `isoexec pair "
+                "--locate` does)"
+            )
         self._isoexec_tracer: Any = EngineTracer(
             self.model_runner.model,
             self._isoexec_hf_config(),
