@@ -83,7 +83,8 @@ def test_per_site_tracing_refuses_a_compiled_engine(
     empty trace (`isoexec pair --locate` starts its engine eager)."""
     from isoexec.vllm.engine_process import EngineError
 
-    engine = engine_pool(model=model_factory("tiny-dense", "bfloat16"), dtype="bfloat16",
-                         isoexec=True, enforce_eager=False, max_num_batched_tokens=CHUNK)  # fmt: skip
+    model = model_factory("tiny-dense", "bfloat16")
+    engine = engine_pool(model=model, dtype="bfloat16", isoexec=True, enforce_eager=False,
+                         max_num_batched_tokens=CHUNK)  # fmt: skip
     with pytest.raises(EngineError, match="per-site tracing needs an eager engine"):
         engine.call("trace", [[1, 2, 3]], str(tmp_path / "trace"))
