@@ -19,11 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from isoexec.contract.handshake.client import HandshakeClient
 from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.pair import make_prompts
-from isoexec.megatron import trainer_contract
-from isoexec.megatron.scoring import score
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -42,22 +39,26 @@ def _run_job(job: dict[str, Any], tmp: Path) -> subprocess.Popen[bytes]:
 
 
 def test_async_llm_matches_and_is_bitwise(
-    tmp_path: Path, model_factory: Callable[[str, str], str], trainer_factory: Callable[..., Any]
+    tmp_path: Path,
+    model_factory: Callable[[str, str], str],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
 ) -> None:
+    """The trainer side runs on torchrun (its own processes, like the engine): one job offers
+    its contract while the AsyncLLM offers its workers', a second scores what was sampled."""
     model = model_factory("tiny-moe", "float32")
     hf = json.loads((Path(model) / "config.json").read_text())
     prompts = make_prompts(len(TEMPS), int(hf["vocab_size"]), seed=9)
-    trainer = trainer_factory(model, "float32")
     token = secrets.token_hex(16)
     (tmp_path / "token").write_text(token)
+    trainer = {"model": model, "dtype": "float32", "tp": 1, "isoexec": True}
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
         hs = {"address": server.address, "token_file": str(tmp_path / "token"), "run_id": "async"}
         job = {"model": model, "dtype": "float32", "handshake": hs, "prompts": prompts,
                "temps": TEMPS, "n": 2, "max_tokens": 6}  # fmt: skip
         proc = _run_job(job, tmp_path)
         try:
-            with HandshakeClient(server.address, token) as c:
-                verdict = c.offer("async", "trainer", 0, trainer_contract(trainer, hf, "float32"))
+            (offered,) = run_tp_jobs([{**trainer, "seqs": [[1, 2, 3]], "handshake": hs}], [],
+                                     nproc=1)  # fmt: skip
             assert proc.wait(timeout=600) == 0, (tmp_path / "async.log").read_text()[-4000:]
         finally:
             for sig in (signal.SIGTERM, signal.SIGKILL):
@@ -67,14 +68,19 @@ def test_async_llm_matches_and_is_bitwise(
                     break
             proc.wait(30)
     out = json.loads((tmp_path / "out.json").read_text())
-    assert verdict.matched and [v["outcome"] for v in out["verdicts"]] == ["MATCH"]
-    train, eng = [], []
+    assert offered["verdict"]["outcome"] == "MATCH"
+    assert [v["outcome"] for v in out["verdicts"]] == ["MATCH"]
+    levels = sorted(set(TEMPS))
+    groups = {t: [] for t in levels}  # (seq, sampled ids, engine logprobs) per temperature
     for prompt, temp, samples in zip(prompts, TEMPS, out["samples"], strict=True):
         assert len(samples) == 2
-        seqs = [prompt + ids for ids, _ in samples]
-        for lp, (ids, lps) in zip(score(trainer, seqs, temperature=temp), samples, strict=True):
+        groups[temp] += [(prompt + ids, ids, lps) for ids, lps in samples]
+    jobs = [{**trainer, "temperature": t, "seqs": [g[0] for g in groups[t]]} for t in levels]
+    train, eng = [], []
+    for t, res in zip(levels, run_tp_jobs(jobs, [], nproc=1), strict=True):
+        for lp, (_, ids, lps) in zip(res["logprobs"], groups[t], strict=True):
             train.append(lp[-len(ids) :].float())
             eng.append(torch.tensor(lps, dtype=torch.float32))
-    t, e = torch.cat(train), torch.cat(eng)
-    assert t.numel() == len(prompts) * 2 * 6
-    assert torch.equal(t, e), (t - e).abs().max()
+    a, b = torch.cat(train), torch.cat(eng)
+    assert a.numel() == len(prompts) * 2 * 6
+    assert torch.equal(a, b), (a - b).abs().max()

@@ -43,7 +43,7 @@ def _run(engine_pool: Callable[..., Any], model: str, dtype: str, iso: bool, eag
 
 @pytest.mark.parametrize(
     ("preset", "dtype"),
-    [("tiny-dense", "bfloat16"), ("tiny-moe", "float32"), ("tiny-gdn", "float32")],
+    [("tiny-dense", "bfloat16"), ("tiny-gdn", "float32")],  # MoE compiled: the trainer matrix
 )
 def test_compiled_engine_equals_eager_engine_bitwise(
     preset: str,
