@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from isoexec.contract.architectures import text_config
 from isoexec.contract.contract import (
     BackendIdentity,
     Contract,
@@ -60,7 +61,11 @@ RECURRENT_STATE_DTYPE = "float32"
 
 
 def model_identity(hf_config: Mapping[str, Any]) -> ModelIdentity:
-    fields = {k: hf_config[k] for k in NUMERIC_CONFIG_FIELDS if hf_config.get(k) is not None}
+    """Architecture, digest of the text model's numeric fields, layer kinds. A vision-language
+    checkpoint is identified by its text model (`architectures.text_config`): IsoExec runs
+    nothing else of it."""
+    text = text_config(hf_config)
+    fields = {k: text[k] for k in NUMERIC_CONFIG_FIELDS if text.get(k) is not None}
     return ModelIdentity(
         architecture=architecture(hf_config),
         config_digest=config_digest(fields),

@@ -11,15 +11,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = (
-    "Qwen3ForCausalLM",
-    "Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM",
-    "Qwen3_5ForCausalLM",
+from isoexec.contract.architectures import (
+    SUPPORTED_ARCHITECTURES,
+    UnsupportedModelError,
+    architecture_name,
+    architecture_of,
+    text_config,
 )
-
-# GDN / full-attention hybrids: per-layer `layer_types` decide the layer kind.
-HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -28,28 +26,17 @@ class Site:
     op: str  # e.g. "attention"
 
 
-class UnsupportedModelError(ValueError):
-    """The model (architecture or a config feature) has no canonical installation."""
-
-
 def architecture(hf_config: Mapping[str, Any]) -> str:
-    archs = hf_config.get("architectures") or []
-    if len(archs) != 1:
-        raise UnsupportedModelError(f"config names architectures {archs!r}; expected exactly one")
-    arch = archs[0]
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    return arch
+    """The config's architecture (one of `SUPPORTED_ARCHITECTURES`), refused otherwise."""
+    return architecture_name(hf_config)
 
 
 def layer_kinds(hf_config: Mapping[str, Any]) -> list[str]:
     """Per layer: 'attention' or 'linear_attention' (GDN), from the HF config."""
-    n = int(hf_config["num_hidden_layers"])
-    types = hf_config.get("layer_types")
-    if architecture(hf_config) not in HYBRID_ARCHITECTURES:
+    text = text_config(hf_config)
+    n = int(text["num_hidden_layers"])
+    types = text.get("layer_types")
+    if not architecture_of(hf_config).hybrid:
         return ["attention"] * n
     if not types or len(types) != n:
         raise UnsupportedModelError("a GDN hybrid config needs layer_types for every layer")
@@ -68,25 +55,26 @@ def mlp_kinds(hf_config: Mapping[str, Any]) -> list[str]:
     """Per layer: 'dense', 'moe' or 'moe_shared' (MoE with a gated shared expert).
 
     Qwen3.5 text (`Qwen3_5ForCausalLM`) has a dense SwiGLU MLP in every layer."""
-    arch = architecture(hf_config)
-    n = int(hf_config["num_hidden_layers"])
-    if arch in ("Qwen3ForCausalLM", "Qwen3_5ForCausalLM"):
+    kind = architecture_of(hf_config).mlp
+    text = text_config(hf_config)
+    n = int(text["num_hidden_layers"])
+    if kind == "dense":
         return ["dense"] * n
-    step = int(hf_config.get("decoder_sparse_step", 1))
-    mlp_only = set(hf_config.get("mlp_only_layers") or [])
-    moe = "moe_shared" if arch == "Qwen3NextForCausalLM" else "moe"
+    step = int(text.get("decoder_sparse_step", 1))
+    mlp_only = set(text.get("mlp_only_layers") or [])
     experts = num_experts(hf_config)
     return [
-        moe if i not in mlp_only and experts > 0 and (i + 1) % step == 0 else "dense"
+        kind if i not in mlp_only and experts > 0 and (i + 1) % step == 0 else "dense"
         for i in range(n)
     ]
 
 
 def num_experts(hf_config: Mapping[str, Any]) -> int:
     """transformers 5 writes `num_local_experts` for Qwen3-MoE, older ones `num_experts`."""
+    text = text_config(hf_config)
     for key in ("num_experts", "num_local_experts"):
-        if hf_config.get(key) is not None:
-            return int(hf_config[key])
+        if text.get(key) is not None:
+            return int(text[key])
     return 0
 
 
@@ -129,3 +117,15 @@ def model_sites(hf_config: Mapping[str, Any]) -> list[Site]:
     add(Site("lm_head", "linear"))
     add(Site("logprobs", "logprobs"))
     return sites
+
+
+__all__ = [
+    "SUPPORTED_ARCHITECTURES",
+    "Site",
+    "UnsupportedModelError",
+    "architecture",
+    "layer_kinds",
+    "mlp_kinds",
+    "model_sites",
+    "num_experts",
+]

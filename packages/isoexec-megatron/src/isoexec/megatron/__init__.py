@@ -11,6 +11,7 @@ from isoexec.megatron.contract_readback import (
     trainer_contract,
 )
 from isoexec.megatron.cpu_shims import applied_cpu_shims, apply_cpu_shims
+from isoexec.megatron.hf_checkpoint import CheckpointMismatchError
 from isoexec.megatron.hf_config import (
     SUPPORTED_ARCHITECTURES,
     ModelArch,
@@ -33,9 +34,9 @@ from isoexec.megatron.scoring import (
     train_step,
 )
 from isoexec.megatron.weights import (
-    CheckpointMismatchError,
     export_hf_weights,
     load_hf_weights,
+    save_hf_checkpoint,
     save_hf_safetensors,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "native_submodules",
     "policy_logprobs",
     "read_sites",
+    "save_hf_checkpoint",
     "save_hf_safetensors",
     "score",
     "token_logprobs",

@@ -76,6 +76,8 @@ def hf_config_dict(arch: ModelArch) -> dict[str, Any]:
         cfg["layer_types"] = [
             "full_attention" if k == "attention" else "linear_attention" for k in arch.layer_kinds
         ]
+    if arch.text_prefix != "model.":  # a vision-language checkpoint nests its text model
+        return {"architectures": cfg.pop("architectures"), "text_config": cfg}
     return cfg
 
 

@@ -8,8 +8,11 @@ module needs no `transformers` (the trainer package does not depend on it): it r
 Supported: `Qwen3ForCausalLM`, `Qwen3MoeForCausalLM`, `Qwen3NextForCausalLM` (GDN hybrid:
 linear-attention layers, gated full attention with partial RoPE, zero-centred norms, MoE with a
 gated shared expert), `Qwen3_5ForCausalLM` (Qwen3.5 text: the same hybrid with a dense SwiGLU
-MLP in every layer and split GDN input projections). A new architecture adds a parser to
-`_PARSERS` (and, in `model_builder`, a layer-spec builder).
+MLP in every layer and split GDN input projections), `Qwen3_5MoeForCausalLM` (the same with
+Qwen3-Next's MoE + gated shared expert), and the released vision-language checkpoints
+`Qwen3_5ForConditionalGeneration` / `Qwen3_5MoeForConditionalGeneration`, whose text model is
+read from the nested `text_config` (`isoexec.contract.architectures`). A new architecture adds
+a parser to `_PARSERS` (and, in `model_builder`, a layer-spec builder).
 """
 
 from __future__ import annotations
@@ -17,9 +20,11 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
+
+from isoexec.contract.architectures import UnsupportedModelError, architecture_of, text_config
 
 HFConfigSource = str | os.PathLike[str] | Mapping[str, Any] | Any
 
@@ -90,6 +95,10 @@ class ModelArch:
     partial_rotary_factor: float = 1.0
     zero_centered_norms: bool = False
     attn_output_gate: bool = False
+    # Checkpoint names: the text model's weights under this prefix ("model.language_model."
+    # in a vision-language checkpoint); tensors under `unused_prefixes` are not the text model.
+    text_prefix: str = "model."
+    unused_prefixes: tuple[str, ...] = ()
 
     @property
     def is_moe(self) -> bool:
@@ -324,6 +333,15 @@ def _parse_qwen3_next(cfg: Mapping[str, Any], arch: str) -> ModelArch:
     return ModelArch(**common, moe=moe, moe_layers=moe_layers, **hybrid)
 
 
+def _refuse_moe_fields(cfg: Mapping[str, Any]) -> None:
+    for moe_field in ("num_experts", "num_local_experts", "shared_expert_intermediate_size"):
+        if cfg.get(moe_field):
+            raise UnsupportedConfigError(
+                f"{moe_field}={cfg[moe_field]} (Qwen3.5 text has a dense MLP; "
+                "Qwen3.5-MoE is another architecture)"
+            )
+
+
 def _parse_qwen3_5_text(cfg: Mapping[str, Any], arch: str) -> ModelArch:
     """Qwen3.5 text (`Qwen3_5ForCausalLM`, model_type `qwen3_5_text`): Qwen3-Next's hybrid with
     a dense SwiGLU MLP in every layer and split GDN projections ("flat" layout).
@@ -336,13 +354,36 @@ def _parse_qwen3_5_text(cfg: Mapping[str, Any], arch: str) -> ModelArch:
     common = _common(cfg, arch, hybrid=True, text_mrope=True)
     n = common["num_layers"]
     hybrid = _hybrid(cfg, n, layout="flat", text_mrope=True)
-    for moe_field in ("num_experts", "num_local_experts", "shared_expert_intermediate_size"):
-        if cfg.get(moe_field):
-            raise UnsupportedConfigError(
-                f"{moe_field}={cfg[moe_field]} (Qwen3.5 text has a dense MLP; "
-                "Qwen3.5-MoE is another architecture)"
-            )
+    _refuse_moe_fields(cfg)
     return ModelArch(**common, moe=None, moe_layers=(False,) * n, **hybrid)
+
+
+def _parse_qwen3_5_moe_text(cfg: Mapping[str, Any], arch: str) -> ModelArch:
+    """Qwen3.5-MoE text (`Qwen3_5MoeForCausalLM`, model_type `qwen3_5_moe_text`): the Qwen3.5
+    hybrid with Qwen3-Next's sparse block in every layer (router, routed experts, one shared
+    expert scaled by sigmoid(x · w_gate)).
+
+    As transformers' `modeling_qwen3_5_moe`: the router always renormalises its top-k
+    (`Qwen3_5MoeTopKRouter` has no switch; vLLM reads a missing `norm_topk_prob` as True), so
+    an explicit `norm_topk_prob: false` is refused. There is no dense MLP: the config has no
+    `intermediate_size`, which the Megatron model takes from the expert width.
+    """
+    cfg = {
+        **cfg,
+        "intermediate_size": cfg.get("intermediate_size") or cfg.get("moe_intermediate_size"),
+    }
+    common = _common(cfg, arch, hybrid=True, text_mrope=True)
+    n = common["num_layers"]
+    hybrid = _hybrid(cfg, n, layout="flat", text_mrope=True)
+    if cfg.get("norm_topk_prob") is False:
+        raise UnsupportedConfigError("norm_topk_prob=False (Qwen3.5-MoE always renormalises)")
+    if cfg.get("decoder_sparse_step", 1) != 1 or cfg.get("mlp_only_layers"):
+        raise UnsupportedConfigError("dense layers in Qwen3.5-MoE (every layer is sparse)")
+    shared = int(cfg.get("shared_expert_intermediate_size") or 0)
+    if shared <= 0:
+        raise UnsupportedConfigError("Qwen3.5-MoE without a shared expert")
+    moe, moe_layers = _moe({**cfg, "norm_topk_prob": True}, n, shared=shared)
+    return ModelArch(**common, moe=moe, moe_layers=moe_layers, **hybrid)
 
 
 _PARSERS: dict[str, Callable[[Mapping[str, Any], str], ModelArch]] = {
@@ -350,6 +391,9 @@ _PARSERS: dict[str, Callable[[Mapping[str, Any], str], ModelArch]] = {
     "Qwen3MoeForCausalLM": _parse_qwen3_moe,
     "Qwen3NextForCausalLM": _parse_qwen3_next,
     "Qwen3_5ForCausalLM": _parse_qwen3_5_text,
+    "Qwen3_5MoeForCausalLM": _parse_qwen3_5_moe_text,
+    "Qwen3_5ForConditionalGeneration": _parse_qwen3_5_text,
+    "Qwen3_5MoeForConditionalGeneration": _parse_qwen3_5_moe_text,
 }
 
 SUPPORTED_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_PARSERS))
@@ -369,9 +413,11 @@ def load_hf_config(src: HFConfigSource) -> ModelArch:
             f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
     try:
-        return parser(cfg, arch)
-    except UnsupportedConfigError as e:
+        layout = architecture_of(cfg)
+        parsed = parser(text_config(cfg), arch)
+    except (UnsupportedConfigError, UnsupportedModelError) as e:
         raise UnsupportedConfigError(f"{arch}: {e}") from None
+    return replace(parsed, text_prefix=layout.text_prefix, unused_prefixes=layout.unused_prefixes)
 
 
 __all__ = [

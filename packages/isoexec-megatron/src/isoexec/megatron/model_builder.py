@@ -481,6 +481,9 @@ _LAYER_SPEC_BUILDERS: dict[str, LayerSpecBuilder] = {
     "Qwen3MoeForCausalLM": qwen3_layer_spec,
     "Qwen3NextForCausalLM": qwen3_next_layer_spec,
     "Qwen3_5ForCausalLM": qwen3_next_layer_spec,
+    "Qwen3_5MoeForCausalLM": qwen3_next_layer_spec,
+    "Qwen3_5ForConditionalGeneration": qwen3_next_layer_spec,
+    "Qwen3_5MoeForConditionalGeneration": qwen3_next_layer_spec,
 }
 
 

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from isoexec.contract.architectures import text_config
 from isoexec.contract.sites import model_sites
 from isoexec.contract.trace import UNTRACED_SITES, Trace, first_tensor, rows_2d
 from isoexec.megatron.contract_readback import _LAYER_PATHS, _TOP_PATHS
@@ -48,7 +49,7 @@ class TrainerTracer:
         dtype = str(next(iter(dtypes))).removeprefix("torch.") if len(dtypes) == 1 else "mixed"
         self.trace = Trace.for_model(SIDE, hf_config, dtype)
         self.store_values = store_values
-        self.vocab = int(hf_config["vocab_size"])
+        self.vocab = int(text_config(hf_config)["vocab_size"])
         self.seq: int | None = None
         self.n = 0
         self.layer: int | None = None

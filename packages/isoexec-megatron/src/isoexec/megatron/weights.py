@@ -45,23 +45,21 @@ yields the rank's own tensors.
 
 from __future__ import annotations
 
-import json
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from isoexec.contract.architectures import describe_unused
+from isoexec.megatron.hf_checkpoint import CheckpointMismatchError, read_hf_state_dict
 from isoexec.megatron.hf_config import ModelArch
 from isoexec.megatron.pipeline import PipelineStage, model_stage
 from isoexec.megatron.tp_layout import ShardSpec, gather_full, local_shard, shard_spec
 
-
-class CheckpointMismatchError(ValueError):
-    """The HF checkpoint does not fit the Megatron model (missing/unexpected keys, shapes)."""
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,6 +128,9 @@ MAPPED_ARCHITECTURES = (
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
     "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
 )
 
 
@@ -252,9 +253,10 @@ def param_mappings(arch: ModelArch, *, native: bool = False) -> list[ParamMappin
             same(f"{meg}.linear_fc2.weight", f"{hf}.down_proj.weight"),
         ]
 
-    maps = [same("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
+    text = arch.text_prefix  # "model." or, in a vision-language checkpoint, "model.language_model."
+    maps = [same("embedding.word_embeddings.weight", f"{text}embed_tokens.weight")]
     for i in range(arch.num_layers):
-        m, h = f"decoder.layers.{i}", f"model.layers.{i}"
+        m, h = f"decoder.layers.{i}", f"{text}layers.{i}"
         maps.append(same(f"{m}.input_layernorm.weight", f"{h}.input_layernorm.weight"))
         if arch.kinds[i] == "linear_attention" and native:
             maps += _native_gdn_mappings(arch, f"{m}.self_attention", f"{h}.linear_attn")
@@ -295,7 +297,7 @@ def param_mappings(arch: ModelArch, *, native: bool = False) -> list[ParamMappin
                 maps += swiglu(f"{m}.mlp.experts.local_experts.{e}", f"{h}.mlp.experts.{e}")
         else:
             maps += swiglu(f"{m}.mlp", f"{h}.mlp")
-    maps.append(same("decoder.final_layernorm.weight", "model.norm.weight"))
+    maps.append(same("decoder.final_layernorm.weight", f"{text}norm.weight"))
     if not arch.tie_word_embeddings:
         maps.append(same("output_layer.weight", "lm_head.weight"))
     return maps
@@ -380,65 +382,52 @@ def _checked_mappings(
 
 
 # ------------------------------------------------------------------------------------------
-# Reading HF checkpoints
-# ------------------------------------------------------------------------------------------
-
-
-def _safetensors_files(ckpt_dir: Path) -> list[Path]:
-    index = ckpt_dir / "model.safetensors.index.json"
-    if index.is_file():
-        with index.open() as f:
-            weight_map: Mapping[str, str] = json.load(f)["weight_map"]
-        return [ckpt_dir / name for name in sorted(set(weight_map.values()))]
-    single = ckpt_dir / "model.safetensors"
-    if single.is_file():
-        return [single]
-    files = sorted(ckpt_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {ckpt_dir}")
-    return files
-
-
-def read_hf_state_dict(ckpt_dir: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """All tensors of an HF safetensors checkpoint dir (single file or sharded with an index)."""
-    out: dict[str, torch.Tensor] = {}
-    for path in _safetensors_files(Path(ckpt_dir)):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                if key in out:
-                    raise CheckpointMismatchError(f"tensor {key!r} appears in two shards")
-                out[key] = f.get_tensor(key)
-    return out
-
-
-# ------------------------------------------------------------------------------------------
 # HF → Megatron
 # ------------------------------------------------------------------------------------------
+
+
+def _drop_unused(hf: dict[str, torch.Tensor], arch: ModelArch) -> dict[str, int]:
+    """Remove the checkpoint's vision / MTP tensors from `hf`; {prefix: count} of them, said
+    in one line. Only the architecture's declared prefixes: any other stray tensor stays and is
+    refused by the exact-match check."""
+    skipped: dict[str, int] = {}
+    for name in list(hf):
+        hit = next((p for p in arch.unused_prefixes if name.startswith(p)), None)
+        if hit is not None:
+            del hf[name]
+            skipped[hit] = skipped.get(hit, 0) + 1
+    if skipped:
+        _log.warning("isoexec: %s", describe_unused(skipped))
+    return skipped
 
 
 @torch.no_grad()
 def load_hf_weights(
     model: torch.nn.Module, source: str | os.PathLike[str] | Mapping[str, torch.Tensor]
-) -> None:
-    """Copy an HF checkpoint (dir written by `save_pretrained`, or a state dict) into `model`.
+) -> dict[str, int]:
+    """Copy an HF checkpoint (dir written by `save_pretrained`, single file or sharded with an
+    index, or a state dict) into `model`; returns {prefix: count} of the tensors not used by
+    the text model (a vision-language checkpoint's `model.visual.*`, any `mtp.*`).
 
     Refuses (CheckpointMismatchError, listing them) missing keys, unexpected keys and shape
     mismatches before touching any parameter. Tensors are cast to the parameter dtype (exact
     when the checkpoint dtype is the model's, or narrower). For tied embeddings a stored
-    `lm_head.weight` is accepted only if it equals `model.embed_tokens.weight`.
+    `lm_head.weight` is accepted only if it equals the embedding.
     """
     maps, params = _checked_mappings(model)
     arch = _model_arch(model)
     hf = dict(source) if isinstance(source, Mapping) else read_hf_state_dict(source)
+    skipped = _drop_unused(hf, arch)
     # The checkpoint is checked against the whole model, whatever part of it this stage holds.
     every = param_mappings(arch, native=not getattr(model, "isoexec_mode", False))
 
+    embed_name = f"{arch.text_prefix}embed_tokens.weight"
     if arch.tie_word_embeddings and "lm_head.weight" in hf:
         lm_head = hf.pop("lm_head.weight")
-        embed = hf.get("model.embed_tokens.weight")
+        embed = hf.get(embed_name)
         if embed is None or not torch.equal(lm_head, embed):
             raise CheckpointMismatchError(
-                "tie_word_embeddings=True but lm_head.weight differs from model.embed_tokens.weight"
+                f"tie_word_embeddings=True but lm_head.weight differs from {embed_name}"
             )
 
     expected = {name for m in every for name in m.hf_names}
@@ -469,6 +458,7 @@ def load_hf_weights(
         if value.shape != p.shape:  # guarded above; a wrong transform must not pass silently
             raise RuntimeError(f"{m.megatron_name}: converted {tuple(value.shape)} != {p.shape}")
         p.copy_(value.to(dtype=p.dtype))
+    return skipped
 
 
 # ------------------------------------------------------------------------------------------
@@ -497,6 +487,25 @@ def save_hf_safetensors(model: torch.nn.Module, path: str | os.PathLike[str]) ->
     save_file(dict(export_hf_weights(model)), str(path), metadata={"format": "pt"})
 
 
+def save_hf_checkpoint(
+    model: torch.nn.Module, out_dir: str | os.PathLike[str], source_dir: str | os.PathLike[str]
+) -> None:
+    """Write the model's weights as a full checkpoint in `source_dir`'s layout: its shards,
+    index and config files, with the tensors the text model does not run (vision tower, MTP)
+    copied unchanged. Every TP rank must call it (the export gathers); rank 0 writes. PP and
+    EP ranks hold part of the model only, so a full checkpoint is refused there."""
+    import torch.distributed as dist
+
+    from isoexec.megatron.hf_checkpoint import write_like
+
+    stage = model_stage(model)
+    if not (stage.pre_process and stage.post_process) or _local_experts(_model_arch(model)):
+        raise ValueError("save_hf_checkpoint needs the whole model on this rank (PP=1, EP=1)")
+    tensors = dict(export_hf_weights(model))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        write_like(tensors, out_dir, source_dir, keep_prefixes=_model_arch(model).unused_prefixes)
+
+
 def hf_weight_names(model: torch.nn.Module) -> list[str]:
     """The HF names `export_hf_weights` yields, in order, without copying any tensor."""
     maps, _ = _checked_mappings(model)
@@ -504,7 +513,7 @@ def hf_weight_names(model: torch.nn.Module) -> list[str]:
 
 
 __all__: list[str] = [
-    "CheckpointMismatchError",
+    "CheckpointMismatchError",  # re-exported from hf_checkpoint
     "ParamMapping",
     "export_hf_weights",
     "hf_weight_names",
@@ -512,5 +521,6 @@ __all__: list[str] = [
     "local_mappings",
     "param_mappings",
     "read_hf_state_dict",
+    "save_hf_checkpoint",
     "save_hf_safetensors",
 ]

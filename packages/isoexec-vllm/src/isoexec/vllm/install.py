@@ -30,7 +30,7 @@ def install_plugin() -> None:
     register_moe()
     register_gdn()
     register_attention()
-    register_qwen3_5()  # IsoExec's own text-only Qwen3_5ForCausalLM (stock one needs torchvision)
+    register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
     install_sampler()
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
     refuse_ungated_transfer_backends()  # transfer backends that write around load_weights

@@ -1,25 +1,36 @@
-"""Qwen3.5 text (`Qwen3_5ForCausalLM`) for vLLM under IsoExec: a text-only model class.
+"""Qwen3.5 and Qwen3.5-MoE for vLLM, text only: one model class for the four architectures
+(`Qwen3_5ForCausalLM`, `Qwen3_5MoeForCausalLM` and the released vision-language checkpoints
+`Qwen3_5ForConditionalGeneration`, `Qwen3_5MoeForConditionalGeneration`).
 
 Why IsoExec has its own class: stock vLLM's `models/qwen3_5.py` imports the Qwen3-VL model
 and through it transformers' image processors, which need torchvision, so the text model
-cannot even be imported on an engine without it. The maths of Qwen3.5 text is Qwen3-Next's
-hybrid (GatedDeltaNet layers, gated-q full attention with partial RoPE, zero-centred norms)
-with a dense SwiGLU MLP in every layer and the GDN input projections stored split
-(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`). So this composition reuses vLLM's
-Qwen3-Next building blocks, whose numerics IsoExec already makes canonical:
+cannot even be imported on an engine without it (and an RL rollout runs the text model only).
+The maths of Qwen3.5 text is Qwen3-Next's hybrid (GatedDeltaNet layers, gated-q full
+attention with partial RoPE, zero-centred norms) with the GDN input projections stored split
+(`in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`), and either a dense SwiGLU MLP in every
+layer (Qwen3.5) or Qwen3-Next's sparse block with a gated shared expert (Qwen3.5-MoE). So this
+composition reuses vLLM's Qwen3-Next building blocks, whose numerics IsoExec makes canonical:
 
 - `Qwen3NextDecoderLayer.forward` (pre-norm, fused residual add);
 - `QwenGatedDeltaNetAttention` with `gqa_interleaved_layout=False`: its fused `in_proj_qkvz`
   holds `[in_proj_qkv; in_proj_z]` and `in_proj_ba` holds `[in_proj_b; in_proj_a]` (row
   concatenation, loaded shard by shard), run by `isoexec.vllm.gdn`;
 - `IsoQwen3NextAttention` (gated output with the position-invariant sigmoid);
-- `Qwen2MoeMLP` as the dense MLP (gate_up_proj, SiluAndMul, down_proj).
+- `Qwen2MoeMLP` as the dense MLP (gate_up_proj, SiluAndMul, down_proj), or
+  `Qwen3NextSparseMoeBlock` (router, `FusedMoE` experts, sigmoid-gated shared expert).
+
+Checkpoint names: a vision-language checkpoint keeps the text model under
+`model.language_model.*` (mapped to `model.*`); its `model.visual.*` and `mtp.*` tensors are
+skipped, as stock vLLM skips `mtp.*` (a draft model's).
 
 RoPE: HF's Qwen3.5 rotary embedding is M-RoPE over (T, H, W) positions; for text the three
-are equal, so it is exactly 1-D partial RoPE. vLLM's own config hook for this architecture
-(`Qwen3_5ForCausalLMConfig`) drops the M-RoPE fields, and the runner passes 1-D positions.
+are equal, so it is exactly 1-D partial RoPE. vLLM's config hook for the causal-LM names
+(`Qwen3_5ForCausalLMConfig`) drops the M-RoPE fields so the runner passes 1-D positions; served
+text only, the vision-language names get the same hook (`patches.text_only_config_hook`).
 
-Registered through `ModelRegistry.register_model`, from the plugin, only when `ISOEXEC=1`.
+Registered through `ModelRegistry.register_model`, from the plugin: with `ISOEXEC=1` always
+(canonical ops, gated weight loading); with it off only where stock vLLM cannot import its
+own classes (no torchvision), so a stock arm can serve these checkpoints at all.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from isoexec.vllm.gdn import IsoQwen3NextAttention
+import vllm.model_executor.models.qwen3_next as qwen3_next
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
@@ -44,7 +55,11 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 from vllm.model_executor.models.interfaces import HasInnerState, IsHybrid
 from vllm.model_executor.models.qwen2_moe import Qwen2MoeMLP
-from vllm.model_executor.models.qwen3_next import Qwen3NextDecoderLayer, Qwen3NextForCausalLM
+from vllm.model_executor.models.qwen3_next import (
+    Qwen3NextDecoderLayer,
+    Qwen3NextForCausalLM,
+    Qwen3NextSparseMoeBlock,
+)
 from vllm.model_executor.models.utils import (
     AutoWeightsLoader,
     WeightsMapper,
@@ -52,7 +67,13 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 
-ARCHITECTURE = "Qwen3_5ForCausalLM"
+ARCHITECTURES = (
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
+    "Qwen3_5ForConditionalGeneration",
+    "Qwen3_5MoeForConditionalGeneration",
+)
+MOE_MODEL_TYPE = "qwen3_5_moe_text"
 
 # HF checkpoint name -> (vLLM fused parameter, shard). `in_proj_qkv` fills shards 0..2 of the
 # non-interleaved `in_proj_qkvz` ([q | k | v | z] output sizes) in one contiguous span.
@@ -63,13 +84,16 @@ HF_TO_VLLM = WeightsMapper(
         ".v_proj": (".qkv_proj", "v"),
         ".mlp.gate_proj": (".mlp.gate_up_proj", 0),
         ".mlp.up_proj": (".mlp.gate_up_proj", 1),
+        ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
+        ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
         ".in_proj_qkv": (".in_proj_qkvz", (0, 1, 2)),
         ".in_proj_z": (".in_proj_qkvz", 3),
         ".in_proj_b": (".in_proj_ba", 0),
         ".in_proj_a": (".in_proj_ba", 1),
     },
-    # Multi-token-prediction weights belong to a draft model, as in stock vLLM.
-    orig_to_new_prefix={"mtp.": None},
+    # The text model of a vision-language checkpoint; its vision tower is not served, and
+    # multi-token-prediction weights belong to a draft model, as in stock vLLM.
+    orig_to_new_prefix={"model.language_model.": "model.", "model.visual.": None, "mtp.": None},
 )
 
 
@@ -82,16 +106,28 @@ def _refuse_unsupported(config: Any, vllm_config: VllmConfig) -> None:
         problems.append("layer_scale=True")
     if not getattr(config, "attn_output_gate", True):
         problems.append("attn_output_gate=False")
-    if getattr(config, "num_experts", 0):
-        problems.append("MoE MLP (Qwen3.5 text is dense; Qwen3.5-MoE is another architecture)")
+    moe = config.model_type == MOE_MODEL_TYPE
+    if getattr(config, "num_experts", 0) and not moe:
+        problems.append("MoE fields on dense Qwen3.5 (Qwen3.5-MoE is model_type qwen3_5_moe)")
+    if moe and getattr(config, "norm_topk_prob", True) is False:
+        problems.append("norm_topk_prob=False")
     if vllm_config.parallel_config.pipeline_parallel_size != 1:
         problems.append("pipeline parallelism")
+    if rope_has_mrope(config):
+        problems.append("M-RoPE fields left in the text config (text-only positions expected)")
     if problems:
-        raise UnsupportedSiteError(f"{ARCHITECTURE}: not supported: " + ", ".join(problems))
+        arch = vllm_config.model_config.architecture
+        raise UnsupportedSiteError(f"{arch}: not supported: " + ", ".join(problems))
+
+
+def rope_has_mrope(config: Any) -> bool:
+    params = getattr(config, "rope_parameters", None) or {}
+    return "mrope_section" in params
 
 
 class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
-    """One Qwen3.5 text layer: GDN (split-projection layout) or gated attention, dense MLP.
+    """One Qwen3.5 text layer: GDN (split-projection layout) or gated attention; a dense MLP
+    (Qwen3.5) or the sparse block with a shared expert (Qwen3.5-MoE).
 
     Only the construction differs from Qwen3-Next's layer (which decides MoE from
     `num_experts` and builds the interleaved GDN layout); `forward` is inherited.
@@ -115,7 +151,9 @@ class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
                 gqa_interleaved_layout=False,
             )
         elif layer_type == "full_attention":
-            self.self_attn = IsoQwen3NextAttention(
+            # Looked up at build time: with ISOEXEC=1 the plugin has made it IsoExec's
+            # position-invariant gated attention (`gdn.IsoQwen3NextAttention`), else stock.
+            self.self_attn = qwen3_next.Qwen3NextAttention(
                 config,
                 model_config=model_config,
                 cache_config=vllm_config.cache_config,
@@ -123,14 +161,18 @@ class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
                 prefix=f"{prefix}.self_attn",
             )
         else:
-            raise UnsupportedSiteError(f"{ARCHITECTURE}: layer type {layer_type!r}")
-        self.mlp = Qwen2MoeMLP(
-            hidden_size=config.hidden_size,
-            intermediate_size=config.intermediate_size,
-            hidden_act=config.hidden_act,
-            quant_config=quant_config,
-            prefix=f"{prefix}.mlp",
-        )
+            raise UnsupportedSiteError(f"Qwen3.5: layer type {layer_type!r}")
+        self.mlp: nn.Module
+        if config.model_type == MOE_MODEL_TYPE:
+            self.mlp = Qwen3NextSparseMoeBlock(vllm_config=vllm_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = Qwen2MoeMLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                hidden_act=config.hidden_act,
+                quant_config=quant_config,
+                prefix=f"{prefix}.mlp",
+            )
         self.input_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -161,7 +203,7 @@ class IsoQwen3_5Model(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         if positions.ndim != 1:
-            raise UnsupportedSiteError(f"{ARCHITECTURE}: expects 1-D text positions")
+            raise UnsupportedSiteError("Qwen3.5 (text only): expects 1-D text positions")
         hidden = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -174,7 +216,7 @@ class IsoQwen3_5Model(nn.Module):
 
 
 class IsoQwen3_5ForCausalLM(nn.Module, HasInnerState, IsHybrid):
-    """IsoExec's `Qwen3_5ForCausalLM` (text only); see the module docstring."""
+    """IsoExec's text-only Qwen3.5 / Qwen3.5-MoE; see the module docstring."""
 
     packed_modules_mapping: ClassVar[dict[str, list[str]]] = {
         "qkv_proj": ["q_proj", "k_proj", "v_proj"],
@@ -237,13 +279,25 @@ class IsoQwen3_5ForCausalLM(nn.Module, HasInnerState, IsHybrid):
         return Qwen3NextForCausalLM.get_mamba_state_copy_func()
 
 
-def register_qwen3_5() -> None:
-    """Serve `Qwen3_5ForCausalLM` with `IsoQwen3_5ForCausalLM` (vLLM's model extension point).
+def register_qwen3_5(*, isoexec: bool) -> None:
+    """Serve the four Qwen3.5 architectures with `IsoQwen3_5ForCausalLM` (vLLM's model
+    extension point), and give the vision-language names the text-only config hook.
 
-    Called from `install_plugin`, i.e. only when `ISOEXEC=1`; with it off vLLM keeps its own
-    (lazily imported) registration.
+    `isoexec`: the class is registered with the gated `load_weights` (weight syncs need a
+    MATCH). Off, it is registered as it is, stock layers and all.
     """
+    from isoexec.vllm.patches import text_only_config_hook
     from isoexec.vllm.weight_gate import gated
     from vllm import ModelRegistry
 
-    ModelRegistry.register_model(ARCHITECTURE, gated(IsoQwen3_5ForCausalLM))
+    for arch in ARCHITECTURES:
+        cls = gated(IsoQwen3_5ForCausalLM) if isoexec else IsoQwen3_5ForCausalLM
+        ModelRegistry.register_model(arch, cls)
+        text_only_config_hook(arch)
+
+
+def stock_can_import_qwen3_5() -> bool:
+    """Whether stock vLLM's Qwen3.5 classes import here (they need torchvision)."""
+    import importlib.util
+
+    return importlib.util.find_spec("torchvision") is not None

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from isoexec.contract.architectures import text_config
 from isoexec.contract.sites import model_sites
 from isoexec.contract.trace import UNTRACED_SITES, Trace, digest_rows, first_tensor, rows_2d
 from isoexec.vllm.readback import _module_path
@@ -51,7 +52,7 @@ class EngineTracer:
     ) -> None:
         self.trace = Trace.for_model(SIDE, hf_config, dtype)
         self.store_values = store_values
-        self.vocab = int(hf_config["vocab_size"])
+        self.vocab = int(text_config(hf_config)["vocab_size"])
         self.seq: int | None = None
         self.positions: list[int] = []
         self.layer: int | None = None

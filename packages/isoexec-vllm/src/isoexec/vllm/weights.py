@@ -5,7 +5,9 @@ Qwen3.5 the split GDN projections in_proj_qkv/z into `in_proj_qkvz`, in_proj_b/a
 `in_proj_ba`); this splits them back, so the fingerprint of what the engine *holds* can be
 compared with the trainer's export. Which GDN layout a layer holds is read from the live layer
 (`gqa_interleaved_layout`): Qwen3-Next's interleaved fused tensors are checkpoint tensors as
-they are. TP=1 only: a sharded engine must gather first (refused here).
+they are. Names are the checkpoint's: a vision-language checkpoint's text weights carry its
+`model.language_model.` prefix (`architectures.Architecture.text_prefix`). TP=1 only: a
+sharded engine must gather first (refused here).
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from typing import Any
 
 import torch
 
+from isoexec.contract.architectures import architecture_of, text_config
+
 # model_type values whose full-attention q_proj carries the output gate.
-GATED_Q_MODEL_TYPES = ("qwen3_next", "qwen3_5_text")
+GATED_Q_MODEL_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 class UnsupportedWeightLayoutError(RuntimeError):
@@ -24,6 +28,15 @@ class UnsupportedWeightLayoutError(RuntimeError):
 
 
 def hf_named_weights(
+    model: torch.nn.Module, hf_config: dict[str, Any]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, live tensor) for every weight the engine holds."""
+    prefix = architecture_of(hf_config).text_prefix
+    for name, t in _text_named_weights(model, text_config(hf_config)):
+        yield (prefix + name.removeprefix("model.") if name.startswith("model.") else name), t
+
+
+def _text_named_weights(
     model: torch.nn.Module, hf_config: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     heads = int(hf_config["num_attention_heads"])
