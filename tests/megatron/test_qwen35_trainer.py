@@ -249,6 +249,6 @@ def test_qwen35_refusals(parallel, q35_dir: Path, seqs) -> None:
             load_hf_config(cfg | patch)
     # M-RoPE sections are accepted only where text makes them 1-D RoPE (not for Qwen3-Next).
     moe = {"num_experts": 2, "num_experts_per_tok": 1, "moe_intermediate_size": 8}
-    nxt = cfg | moe | {"architectures": ["Qwen3NextForCausalLM"]}
+    nxt = cfg | moe | {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next"}
     with pytest.raises(UnsupportedConfigError, match="mrope"):
         load_hf_config(nxt | {"shared_expert_intermediate_size": 8})

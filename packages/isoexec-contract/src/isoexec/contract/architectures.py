@@ -118,7 +118,8 @@ def text_config(hf_config: Mapping[str, Any]) -> dict[str, Any]:
     model_type = hf_config.get("model_type")
     if model_type is not None and model_type not in arch.model_types:
         raise UnsupportedModelError(
-            f"{arch.name} with model_type {model_type!r}; expected one of {arch.model_types}"
+            f"architecture {arch.name} with model_type {model_type!r}; expected one of "
+            f"{arch.model_types}"
         )
     nested = hf_config.get("text_config")
     if nested is None:

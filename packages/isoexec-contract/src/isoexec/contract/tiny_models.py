@@ -138,7 +138,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "full_attention",
             ],
             "num_attention_heads": 4,
-            "num_key_value_heads": 1,
+            "num_key_value_heads": 2,  # the release's 2 KV heads: a TP=2 trainer splits them
             "head_dim": 256,
             "rope_parameters": {
                 "rope_type": "default",
