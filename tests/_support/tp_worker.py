@@ -117,6 +117,10 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             out["logprobs_after_step"] = score(model, seqs)
             if job.get("export_after_step"):  # HF layout: comparable with a TP=1 step
                 out["weights_after_step"] = every_stage_export(model)
+            if job.get("save_checkpoint_like"):  # a full checkpoint in the source's layout
+                from isoexec.megatron.weights import save_hf_checkpoint
+
+                save_hf_checkpoint(model, job["save_checkpoint_like"], job["model"])
         if job.get("contract"):
             from isoexec.megatron.contract_readback import trainer_contract
 

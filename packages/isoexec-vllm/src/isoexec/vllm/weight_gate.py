@@ -109,7 +109,11 @@ def _fingerprint(model: Any) -> str | None:
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.vllm.weights import UnsupportedWeightLayoutError, hf_named_weights
 
-    hf = model.config.to_dict()  # the HF config vLLM built the model from
+    # The HF config vLLM built the model from: the whole one where the model keeps it (a
+    # vision-language checkpoint's names depend on it), else the model's own (flat) config.
+    vllm_config = getattr(model, "vllm_config", None)
+    source = vllm_config.model_config.hf_config if vllm_config is not None else model.config
+    hf = source.to_dict()
     try:
         return WeightFingerprint.of(hf_named_weights(model, hf)).digest
     except UnsupportedWeightLayoutError:
