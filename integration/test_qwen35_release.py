@@ -100,7 +100,10 @@ def test_tp2_trainer_tp1_engine_weight_sync_in_checkpoint_names(
            "contract": True}  # fmt: skip
     config = EngineConfig(model=model, dtype=dtype, isoexec=True, options=TP_INVARIANT,
                           max_num_batched_tokens=64, enforce_eager=True)  # fmt: skip
-    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server, EngineProcess(config) as eng:
+    with (
+        HandshakeServer({"trainer": 1, "engine": 1}, token) as server,
+        EngineProcess(config) as eng,
+    ):
         assert eng.call("weight_fingerprint") == [WeightFingerprint.of(text).digest]
         sampled = eng.generate(make_prompts(len(TEMPS), 512, seed=11), specs)
         jobs = scoring_jobs(sampled, TEMPS, model=model, **job)

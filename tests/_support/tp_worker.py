@@ -83,6 +83,7 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             tp=job["tp"],
             dtype=dtype,
             options=IsoExecOptions.from_mapping(job.get("options")),
+            initialize=job.get("initialize", True),
         )
         load_hf_weights(model, job["model"])
         stage = model.isoexec_stage

@@ -76,7 +76,10 @@ def test_release_layout_is_what_the_preset_promises(release_dir: Path) -> None:
     )
     assert text["linear_num_value_heads"] == 2 * text["linear_num_key_heads"]
     assert text["head_dim"] == 256 and text["rope_parameters"]["partial_rotary_factor"] == 0.25
-    assert text["num_experts_per_tok"] < text["num_experts"] and text["shared_expert_intermediate_size"]
+    assert (
+        text["num_experts_per_tok"] < text["num_experts"]
+        and text["shared_expert_intermediate_size"]
+    )
     index = json.loads((release_dir / INDEX_FILE).read_text())
     assert len(set(index["weight_map"].values())) == 2
     names = set(index["weight_map"])

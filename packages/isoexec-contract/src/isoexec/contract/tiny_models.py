@@ -226,6 +226,8 @@ def make_tiny_model(
     fields = {k: (dict(v) if isinstance(v, dict) else v) for k, v in PRESETS[preset].items()}
     release = "text_config" in fields  # vision-language release layout: overrides the text
     (fields["text_config"] if release else fields).update(overrides or {})
+    if release:  # the vision merger projects into the text model's width
+        fields["vision_config"]["out_hidden_size"] = fields["text_config"]["hidden_size"]
     model_type = fields.pop("model_type")
     config = AutoConfig.for_model(model_type, **fields)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -154,6 +154,7 @@ def transformer_config(
     backend: str = "torch",
     pp: int = 1,
     ep: int = 1,
+    initialize: bool = True,
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -195,6 +196,7 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=True,
+        perform_initialization=initialize,
         # No fused kernels: they need CUDA/TE/apex and would hide which kernel runs.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -532,8 +534,13 @@ def build_model(
     tp: int = 1,
     dtype: torch.dtype = torch.float32,
     options: IsoExecOptions | None = None,
+    initialize: bool = True,
 ) -> Any:
     """A Megatron-core `GPTModel` with the HF model's architecture (weights: see `weights`).
+
+    `initialize=False` skips the random initialisation (Megatron's `perform_initialization`):
+    for a model whose weights are loaded next (`load_hf_weights` refuses a checkpoint that does
+    not cover every parameter), which at 35B widths saves most of the build time on a CPU.
 
     Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
     must equal `tp`. `isoexec=True` installs the canonical submodules in every slot and then
@@ -599,7 +606,7 @@ def build_model(
     ep = ps.get_expert_model_parallel_world_size()
     config = transformer_config(
         arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp,
-        ep=ep if arch.is_moe else 1,
+        ep=ep if arch.is_moe else 1, initialize=initialize,
     )  # fmt: skip
     stage = current_stage(config)
     spec.layer_specs = spec.layer_specs[stage.first_layer : stage.first_layer + stage.num_layers]
