@@ -234,3 +234,28 @@ def test_contract_every_site_canonical(parallel, release_dir: Path) -> None:
     for s in expected:
         assert c.site(s.name).impl == ops.get_impl(s.op), s.name
     assert {"layers.0.mlp.router", "layers.3.mlp.experts"} <= set(c.site_names)
+
+
+def test_dense_vision_language_checkpoint_close_to_hf(parallel, tmp_path: Path, seqs) -> None:
+    """`Qwen3_5ForConditionalGeneration` (dense Qwen3.5 as released), saved by transformers
+    itself: the trainer reads its text model (skipping the vision tower) and agrees with it."""
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    from isoexec.contract.tiny_models import PRESETS
+
+    text = {k: v for k, v in PRESETS["tiny-qwen35"].items() if k != "model_type"}
+    vision = {**PRESETS[PRESET]["vision_config"], "out_hidden_size": text["hidden_size"]}
+    config = AutoConfig.for_model("qwen3_5", text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    hf = AutoModelForImageTextToText.from_config(config, dtype=torch.float32).eval()
+    hf.save_pretrained(tmp_path)
+    assert _config(tmp_path)["architectures"] == ["Qwen3_5ForConditionalGeneration"]
+    model = build_model(tmp_path, isoexec=True)
+    assert load_hf_weights(model, tmp_path) == {"model.visual.": 21}
+    worst = 0.0
+    for seq, lp in zip(seqs, score(model, seqs), strict=True):
+        with torch.no_grad():
+            logits = hf(input_ids=seq[None]).logits[0].float()
+        want = torch.log_softmax(logits[:-1], -1).gather(-1, seq[1:, None])[:, 0]
+        worst = max(worst, float((lp - want).abs().max()))
+    assert 0 < worst < 2e-5, worst
