@@ -25,15 +25,23 @@ def megatron_context() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def trainer_factory(megatron_context: None) -> Callable[..., Any]:
-    """(model_dir, dtype, isoexec) -> a Megatron model with the checkpoint's weights, cached."""
+    """(model_dir, dtype, isoexec, options) -> a Megatron model with the checkpoint's weights,
+    cached."""
+    from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron import build_model, load_hf_weights
 
-    models: dict[tuple[str, str, bool], Any] = {}
+    models: dict[tuple[str, str, bool, IsoExecOptions | None], Any] = {}
 
-    def get(model_dir: str, dtype: str, isoexec: bool = True, fresh: bool = False) -> Any:
-        key = (model_dir, dtype, isoexec)
+    def get(
+        model_dir: str,
+        dtype: str,
+        isoexec: bool = True,
+        fresh: bool = False,
+        options: IsoExecOptions | None = None,
+    ) -> Any:
+        key = (model_dir, dtype, isoexec, options)
         if fresh or key not in models:
-            model = build_model(model_dir, isoexec=isoexec, dtype=DTYPES[dtype])
+            model = build_model(model_dir, isoexec=isoexec, dtype=DTYPES[dtype], options=options)
             load_hf_weights(model, model_dir)
             if fresh:
                 return model

@@ -111,3 +111,35 @@ def test_changed_site_is_refused_on_both_sides(
     prompts = make_prompts(3, 512, seed=5)
     train, eng = sample_and_score(engine, trainer, prompts, [1.0] * 3, max_tokens=4)
     assert not torch.equal(train, eng)
+
+
+def test_logprobs_mode_is_in_the_contract(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """An engine returning raw (T=1) logprobs declares it at its logprobs site: a trainer
+    scoring the sampled distribution (processed, the default) is refused at the handshake with
+    that site in the diff; a trainer in raw mode MATCHes and is bitwise at every temperature."""
+    from isoexec.contract.options import IsoExecOptions
+
+    raw = IsoExecOptions(logprobs_mode="raw_logprobs")
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = engine_pool(model=model_dir, isoexec=True, max_num_batched_tokens=CHUNK,
+                         options=raw, enforce_eager=True)  # fmt: skip
+    hf = _hf(model_dir)
+    processed = trainer_contract(trainer_factory(model_dir, "float32"), hf, "float32")
+    tv, ev = handshake(processed, engine, run_id="raw-vs-processed")
+    assert not tv.matched and ev["outcome"] == "MISMATCH"
+    assert any("logprobs" in d and "raw_logprobs" in d for d in tv.diff), tv.diff
+
+    trainer = trainer_factory(model_dir, "float32", options=raw)
+    _contracts_match(trainer_contract(trainer, hf, "float32"), engine, "raw-mode")
+    prompts = make_prompts(len(TEMPS), int(hf["vocab_size"]), seed=4)
+    train, eng = sample_and_score(engine, trainer, prompts, TEMPS, max_tokens=4)
+    assert torch.equal(train, eng)
+    # Negative control: the processed trainer scores T=0.7 tokens at T=0.7, the engine at 1.
+    processed_lp, raw_lp = sample_and_score(
+        engine, trainer_factory(model_dir, "float32"), prompts, TEMPS, max_tokens=4
+    )
+    assert not torch.equal(processed_lp, raw_lp)

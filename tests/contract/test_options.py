@@ -23,6 +23,10 @@ def test_options_round_trip_and_refusals() -> None:
     assert IsoExecOptions.from_mapping({"backend": "triton"}).backend == "triton"
     with pytest.raises(TypeError, match="mapping"):
         IsoExecOptions.from_mapping(["tp_invariant"])  # type: ignore[arg-type]
+    raw = IsoExecOptions.from_mapping({"logprobs_mode": "raw_logprobs"})
+    assert IsoExecOptions.from_mapping(raw.to_dict()) == raw
+    with pytest.raises(ValueError, match="'logprobs_mode' 'raw_logits'"):  # not logprobs
+        IsoExecOptions(logprobs_mode="raw_logits")
 
 
 def test_tp_invariant_sites_rule() -> None:

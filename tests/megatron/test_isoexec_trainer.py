@@ -137,6 +137,27 @@ def test_temperature_changes_logprobs_and_greedy_is_t1(parallel, qwen3_dir: Path
     assert all(torch.equal(a, b) for a, b in zip(t1, greedy, strict=True))
 
 
+def test_raw_logprobs_mode_scores_at_t1_and_is_in_the_contract(
+    parallel, qwen3_dir: Path, sequences
+) -> None:
+    """`IsoExecOptions(logprobs_mode="raw_logprobs")`: every score at T=1 whatever the
+    temperature asked, and the logprobs site says so (another contract than processed)."""
+    from isoexec.contract.options import IsoExecOptions
+
+    raw = build_model(qwen3_dir, isoexec=True, options=IsoExecOptions(logprobs_mode="raw_logprobs"))
+    load_hf_weights(raw, qwen3_dir)
+    processed = _model(qwen3_dir)
+    at_t1 = score(processed, sequences, temperature=1.0)
+    for got, want in zip(score(raw, sequences, temperature=0.7), at_t1, strict=True):
+        assert torch.equal(got, want)
+    a = trainer_contract(raw, qwen3_dir, torch.float32)
+    b = trainer_contract(processed, qwen3_dir, torch.float32)
+    assert dict(a.site("logprobs").impl.params)["mode"] == "raw_logprobs"
+    assert dict(b.site("logprobs").impl.params)["mode"] == "processed_logprobs"
+    assert a.hash != b.hash
+    assert [s for s in a.site_names if a.site(s) != b.site(s)] == ["logprobs"]
+
+
 def test_qkv_row_order_is_the_hf_layout() -> None:
     # 2 groups of (2 q heads, k, v), head_dim 1: Megatron rows q0 q1 k0 v0 q2 q3 k1 v1.
     assert qkv_hf_row_order(4, 2, 1).tolist() == [0, 1, 4, 5, 2, 6, 3, 7]

@@ -41,14 +41,14 @@ def test_engine_start_failure_leaves_nothing(tmp_path) -> None:
 
 
 def test_logprobs_mode_drift_is_refused_at_startup(tiny_dense_dir: str) -> None:
-    """An IsoExec engine asked to return raw logprobs (not the distribution it samples from,
-    which is what the trainer scores) refuses to start, and leaves no process behind."""
+    """An IsoExec engine whose vLLM logprobs mode (raw) is not the one its IsoExec options name
+    (processed, which the trainer takes) refuses to start, and leaves no process behind."""
     from isoexec.vllm import engine_process
 
     live_before = set(engine_process._LIVE_GROUPS)
     cfg = EngineConfig(model=tiny_dense_dir, isoexec=True, logprobs_mode="raw_logprobs",
                        enforce_eager=True)  # fmt: skip
-    with pytest.raises(Exception, match="IsoExec returns 'processed_logprobs'"):
+    with pytest.raises(Exception, match="logprobs_mode='raw_logprobs' but its IsoExec options"):
         EngineProcess(cfg, start_timeout_s=600)
     assert engine_process._LIVE_GROUPS == live_before
 

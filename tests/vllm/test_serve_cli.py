@@ -19,10 +19,16 @@ def test_server_command_sets_what_isoexec_needs_and_passes_the_rest() -> None:
     assert flags["--worker-extension-cls"] == "isoexec.vllm.worker_extension.IsoWorkerExtension"
     assert flags["--logprobs-mode"] == "processed_logprobs"
     assert json.loads(flags["--additional-config"]) == {
-        "isoexec": {"tp_invariant": True, "backend": "torch"}
+        "isoexec": {"tp_invariant": True, "backend": "torch", "logprobs_mode": "processed_logprobs"}
     }
     assert argv[-3:] == ["--port", "9000", "--enforce-eager"]
     assert env["ISOEXEC"] == "1"
+    # --raw-logprobs: vLLM's mode and the options (which the contract records) together.
+    raw = IsoExecOptions(logprobs_mode="raw_logprobs")
+    argv, _ = server_command("/m", [], options=raw)
+    flags = dict(zip(argv[5::2], argv[6::2], strict=True))
+    assert flags["--logprobs-mode"] == "raw_logprobs"
+    assert json.loads(flags["--additional-config"])["isoexec"]["logprobs_mode"] == "raw_logprobs"
 
 
 def test_stock_server_is_upstream_vllm() -> None:

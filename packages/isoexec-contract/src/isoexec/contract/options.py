@@ -14,6 +14,9 @@ from typing import Any
 
 # The key under vLLM's `additional_config` (its extension point for plugin settings).
 VLLM_ADDITIONAL_CONFIG_KEY = "isoexec"
+# vLLM's logprobs modes that are logprobs (its *_logits modes are not): "processed_logprobs",
+# the distribution sampled from (logits / T), and "raw_logprobs", the model's (T=1).
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 
 
 @dataclass(frozen=True)
@@ -25,10 +28,17 @@ class IsoExecOptions:
     `backend`: whose kernels every site runs — "torch" (the CPU/any-device reference) or
     "triton" (GPU kernels; on CPU only under TRITON_INTERPRET=1). Different bits, so a
     different contract: both sides must choose the same.
+
+    `logprobs_mode`: which logprobs the engine returns and the trainer scores, in vLLM's
+    names — "processed_logprobs" (logits / temperature: the distribution actually sampled, what
+    a PPO ratio needs) or "raw_logprobs" (T=1 whatever the sampling temperature). The logprobs
+    site records it on both sides, so a trainer scoring one against an engine returning the
+    other is refused at the handshake.
     """
 
     tp_invariant: bool = False
     backend: str = "torch"
+    logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self) -> None:
         from isoexec.contract.ops import BACKENDS
@@ -39,6 +49,11 @@ class IsoExecOptions:
             )
         if self.backend not in BACKENDS:
             raise ValueError(f"IsoExec option 'backend' {self.backend!r}; known: {list(BACKENDS)}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(
+                f"IsoExec option 'logprobs_mode' {self.logprobs_mode!r}; known: "
+                f"{list(LOGPROBS_MODES)}"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -57,4 +72,4 @@ class IsoExecOptions:
         return cls(**raw)
 
 
-__all__ = ["VLLM_ADDITIONAL_CONFIG_KEY", "IsoExecOptions"]
+__all__ = ["LOGPROBS_MODES", "VLLM_ADDITIONAL_CONFIG_KEY", "IsoExecOptions"]

@@ -79,6 +79,8 @@ class IsoTransformerConfig(TransformerConfig):
     isoexec_tp_leaves: int | None = None
     # Which backend's kernels every site runs (`ops.BACKENDS`): "torch" or "triton".
     isoexec_backend: str = "torch"
+    # vLLM's name of the logprobs the trainer scores (`IsoExecOptions.logprobs_mode`).
+    isoexec_logprobs_mode: str = "processed_logprobs"
 
 
 def site_backend(config: TransformerConfig) -> str:
@@ -648,7 +650,9 @@ class IsoGPTModel(GPTModel):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.isoexec_ops = site_ops(self.config)  # what scoring's logprobs run
-        self.isoexec_impls = {"logprobs": site_impl(self.config, "logprobs")}
+        mode = getattr(self.config, "isoexec_logprobs_mode", "processed_logprobs")
+        self.isoexec_logprobs_mode = mode  # raw_logprobs: scored at T=1 (scoring.py)
+        self.isoexec_impls = {"logprobs": site_impl(self.config, "logprobs", mode=mode)}
         if self.position_embedding_type != "none":
             raise CanonicalSiteError(
                 "IsoGPTModel applies RoPE in the canonical core attention; build it with "

@@ -155,6 +155,7 @@ def transformer_config(
     pp: int = 1,
     ep: int = 1,
     initialize: bool = True,
+    logprobs_mode: str = "processed_logprobs",
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
 
@@ -264,6 +265,7 @@ def transformer_config(
             isoexec_rotary_dim=arch.rotary_dim,
             isoexec_tp_leaves=tp_leaves,
             isoexec_backend=backend,
+            isoexec_logprobs_mode=logprobs_mode,
         )
     if tp_leaves is not None or backend != "torch":
         raise ValueError(
@@ -606,7 +608,7 @@ def build_model(
     ep = ps.get_expert_model_parallel_world_size()
     config = transformer_config(
         arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp,
-        ep=ep if arch.is_moe else 1, initialize=initialize,
+        ep=ep if arch.is_moe else 1, initialize=initialize, logprobs_mode=options.logprobs_mode,
     )  # fmt: skip
     stage = current_stage(config)
     spec.layer_specs = spec.layer_specs[stage.first_layer : stage.first_layer + stage.num_layers]

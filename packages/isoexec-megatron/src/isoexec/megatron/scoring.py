@@ -58,10 +58,15 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return vocab
 
 
-def _effective_temperature(temperature: float) -> float:
+def _effective_temperature(temperature: float, model: torch.nn.Module | None = None) -> float:
+    """The temperature the logprobs are taken at: greedy (below vLLM's epsilon) is T=1, and a
+    model scoring `raw_logprobs` (`IsoExecOptions.logprobs_mode`) takes every one at T=1, as
+    an engine in that mode returns them."""
     t = float(temperature)
     if not t >= 0.0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
+        return 1.0
     return 1.0 if t < _SAMPLING_EPS else t
 
 
@@ -290,7 +295,7 @@ def score(
     """
     vocab = _vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
-    t = _effective_temperature(temperature)
+    t = _effective_temperature(temperature, model)
     iso = is_isoexec(model)
     if not iso and (max_tokens is not None or pad_to_multiple is not None):
         raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
@@ -442,7 +447,7 @@ def policy_logprobs(
     """
     vocab = _vocab_size(model)
     ids = [_as_ids(s, vocab) for s in sequences]
-    temperature = _effective_temperature(temperature)
+    temperature = _effective_temperature(temperature, model)
     if is_isoexec(model):
         return packed_logprobs(model, ids, temperature)
     return [_forward_logprobs(model, i, temperature) for i in ids]

@@ -45,8 +45,9 @@ class EngineConfig:
     # suite running several engines cannot afford; tiny models need a few MiB.
     kv_cache_bytes: int = 128 * 2**20
     seed: int = 0
-    # Logprobs of the distribution actually sampled from (after temperature): what PPO needs.
-    logprobs_mode: str = "processed_logprobs"
+    # vLLM's logprobs mode; None: the options' (`processed_logprobs` unless they say raw), the
+    # logprobs of the distribution actually sampled from (after temperature), what PPO needs.
+    logprobs_mode: str | None = None
     extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
     # Which canonical variants run (isoexec only); reaches the workers as additional_config.
     options: IsoExecOptions = field(default_factory=IsoExecOptions)
@@ -232,7 +233,7 @@ class _Handler:
             "max_model_len": config.max_model_len,
             "enable_prefix_caching": config.enable_prefix_caching,
             "seed": config.seed,
-            "logprobs_mode": config.logprobs_mode,
+            "logprobs_mode": config.logprobs_mode or config.options.logprobs_mode,
             "worker_extension_cls": WORKER_EXTENSION,
             "kv_cache_memory_bytes": config.kv_cache_bytes,
         }

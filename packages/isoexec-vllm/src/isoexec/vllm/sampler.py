@@ -1,8 +1,11 @@
 """The sampler whose returned logprobs are the canonical `logprobs` op.
 
-IsoExec returns the logprobs of the distribution actually sampled from (vLLM's
+By default IsoExec returns the logprobs of the distribution actually sampled from (vLLM's
 `processed_logprobs`: logits / temperature, fp32 log-softmax over the full vocab), which is
-what a PPO ratio needs; the trainer scores with the same op and the same temperature.
+what a PPO ratio needs; the trainer scores with the same op and the same temperature. vLLM's
+`raw_logprobs` (T=1 whatever the temperature) is the other mode it supports; the logprobs
+site records which one the engine was started with (`mode`), as the trainer's records the one
+it scores, so the handshake refuses a mix. vLLM's `*_logits` modes are not logprobs: refused.
 Top-k / top-p would mask the distribution in a way the trainer does not reproduce: refused.
 """
 
@@ -16,11 +19,12 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
-from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.contract.options import LOGPROBS_MODES
+from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.sample.sampler import Sampler
 
-LOGPROBS_MODE = "processed_logprobs"
+LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 _SAMPLING_EPS = 1e-5  # vLLM's: below it a request is greedy and its logits are not tempered
 
@@ -45,12 +49,18 @@ class IsoSampler(Sampler):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.ops = engine_ops()
-        self.isoexec_impl = engine_impl("logprobs")
-        if self.logprobs_mode != LOGPROBS_MODE:
+        if self.logprobs_mode not in LOGPROBS_MODES:
             raise UnsupportedSiteError(
-                f"IsoExec returns {LOGPROBS_MODE!r} (the sampled distribution); the engine "
-                f"was started with logprobs_mode={self.logprobs_mode!r}"
+                f"IsoExec returns logprobs ({', '.join(LOGPROBS_MODES)}); the engine was "
+                f"started with logprobs_mode={self.logprobs_mode!r}"
             )
+        wanted = engine_options().logprobs_mode
+        if self.logprobs_mode != wanted:
+            raise UnsupportedSiteError(
+                f"the engine was started with logprobs_mode={self.logprobs_mode!r} but its "
+                f"IsoExec options say {wanted!r}: set both (the trainer takes the options)"
+            )
+        self.isoexec_impl = engine_impl("logprobs", mode=self.logprobs_mode)
 
     def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Raw (T=1) logprobs, used by vLLM for prompt logprobs (through `self.sampler`)."""
@@ -62,7 +72,7 @@ class IsoSampler(Sampler):
         sampling_metadata: Any,
         logprobs_mode_override: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if logprobs_mode_override not in (None, LOGPROBS_MODE):
+        if logprobs_mode_override not in (None, self.logprobs_mode):
             raise UnsupportedSiteError(f"logprobs mode override {logprobs_mode_override!r}")
         wanted = sampling_metadata.max_num_logprobs is not None or bool(
             sampling_metadata.logprob_token_ids
@@ -75,7 +85,8 @@ class IsoSampler(Sampler):
                 "top-k / top-p sampling with logprobs is not supported under IsoExec"
             )
         # Before vLLM's sampling, which divides the logits by the temperature in place.
-        temps = sampling_metadata.temperature
+        raw = self.logprobs_mode == "raw_logprobs"
+        temps = None if raw else sampling_metadata.temperature
         processed = canonical_logprobs(logits, temps, self.ops) if wanted else None
         sampled, _ = super().sample(logits, sampling_metadata)
         return sampled, processed

