@@ -223,7 +223,7 @@ def test_pair_checks_a_layout_in_one_command(tmp_path: Path) -> None:
     args = ["pair", "--preset", "tiny-moe", "--engine-tp", "2", "--trainer-tp", "2",
             "--num-prompts", "4", "--max-tokens", "6", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
-    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())}
+    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["arms"]}
     assert arms["isoexec"]["handshake"].startswith("MATCH")
     assert arms["isoexec"]["bitwise_equal"] == arms["isoexec"]["tokens"] == 24
     assert arms["stock"]["bitwise_equal"] < arms["stock"]["tokens"]
@@ -242,6 +242,6 @@ def test_pair_with_a_pipelined_trainer(tmp_path: Path) -> None:
             "--trainer-pp", "2", "--arms", "isoexec", "--num-prompts", "4", "--max-tokens", "6",
             "--out", str(out)]  # fmt: skip
     assert main(args) == 0
-    (arm,) = json.loads((out / "results.json").read_text())
+    (arm,) = json.loads((out / "results.json").read_text())["arms"]
     assert arm["handshake"].startswith("MATCH")
     assert arm["bitwise_equal"] == arm["tokens"] == 24

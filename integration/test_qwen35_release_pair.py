@@ -71,7 +71,7 @@ def test_pair_cli_on_the_release_layout(dtype: str, tmp_path: Path) -> None:
     print(table)
     assert run.returncode == 0, run.stdout[-3000:]
     assert "21 tensors under model.visual.*, 7 under mtp.* not used by the text model" in run.stdout
-    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())}
+    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["arms"]}
     iso, stock = arms["isoexec"], arms["stock"]
     assert iso["handshake"].startswith("MATCH")
     assert iso["bitwise_equal"] == iso["tokens"] == 36

@@ -15,50 +15,33 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import secrets
 import threading
-from dataclasses import asdict, dataclass
+import time
 from pathlib import Path
 from typing import Any
 
 from isoexec.contract.architectures import text_config
+from isoexec.contract.pair_report import (
+    ArmResult,
+    arm_result,
+    format_table,
+    token_temperatures,
+    write_plot,
+    write_results,
+)
+from isoexec.contract.pair_steps import (
+    _group,
+    align,
+    handshake,
+    make_prompts,
+    sample,
+    sample_and_score,
+)
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe")
 TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
-
-
-@dataclass(frozen=True)
-class ArmResult:
-    arm: str
-    handshake: str
-    tokens: int
-    bitwise_equal: int
-    max_abs_diff: float
-    max_ratio_dev: float  # max |exp(lp_train - lp_engine) - 1|
-    locate: str | None = None  # the `isoexec locate` report, when --locate traced this arm
-    error: str | None = None  # the stock arm could not run (e.g. a kernel stock vLLM lacks)
-
-    @property
-    def equal_fraction(self) -> float:
-        return self.bitwise_equal / self.tokens if self.tokens else 0.0
-
-
-def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
-    """A mixed batch: different lengths, shared prefixes, one long prompt that gets chunked."""
-    rng = random.Random(seed)
-    shared = [rng.randrange(vocab) for _ in range(140)]
-    prompts = []
-    for i in range(num):
-        if i % 3 == 0:
-            p = shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
-        elif i % 3 == 1:
-            p = [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))]
-        else:
-            p = [rng.randrange(vocab) for _ in range(rng.randrange(180, 260))]
-        prompts.append(p)
-    return prompts
 
 
 def run_arm(
@@ -73,6 +56,8 @@ def run_arm(
     engine_tp: int = 1,
     trainer_tp: int = 1,
     trainer_pp: int = 1,
+    verbose: bool = False,
+    log_dir: Path | None = None,
 ) -> ArmResult:
     """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); a trainer with
     `trainer_tp` x `trainer_pp` > 1 scores on a torchrun world of that many ranks (pipeline
@@ -86,65 +71,119 @@ def run_arm(
         build_model,
         load_hf_weights,
         megatron_parallel,
+        score,
         trainer_contract,
     )
-    from isoexec.vllm.engine_process import EngineConfig, EngineProcess
+    from isoexec.vllm.engine_process import EngineConfig
 
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     prompts = make_prompts(num_prompts, int(text_config(hf_config)["vocab_size"]), seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     options = IsoExecOptions(tp_invariant=isoexec and max(engine_tp, trainer_tp) > 1)
+    arm = "isoexec" if isoexec else "stock"
     engine_cfg = EngineConfig(
         model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
         options=options, tensor_parallel_size=engine_tp,
         # --locate traces the engine per site: module hooks need eager mode (compiled and eager
         # engines compute the same bits, tests/vllm/test_compiled_engine.py)
         enforce_eager=locate_dir is not None,
+        log_file=None if verbose or log_dir is None else str(log_dir / f"engine-{arm}.log"),
     )  # fmt: skip
     if trainer_tp * trainer_pp > 1:
         if locate_dir is not None:
             raise ValueError("--locate traces an in-process trainer: use --trainer-tp/-pp 1")
-        with EngineProcess(engine_cfg) as engine:
+        with _started(engine_cfg, arm) as (engine, timings):
             return _torchrun_arm(
                 engine, model_dir, dtype, isoexec=isoexec, options=options, tp=trainer_tp,
                 pp=trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
+                timings=timings,
             )  # fmt: skip
-    with EngineProcess(engine_cfg) as engine, megatron_parallel():
+    with _started(engine_cfg, arm) as (engine, timings), megatron_parallel():
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
         load_hf_weights(model, model_dir)
-        status = "n/a (stock arm)"
+        status, hashes, verdict = "n/a (stock arm)", {}, None
         if isoexec:
             contract = trainer_contract(model, hf_config, dtype)
             trainer_verdict, engine_verdict = handshake(contract, engine)
+            hashes = {"trainer": contract.hash, "engine": engine_verdict.get("hash")}
+            verdict = engine_verdict["outcome"]
+            _progress(arm, f"handshake {verdict}")
             trainer_verdict.raise_for_mismatch()
             if engine_verdict["outcome"] != "MATCH":
                 raise RuntimeError(f"engine got {engine_verdict['outcome']}")
             status = f"MATCH {contract.hash[:12]}"
-        train, eng = sample_and_score(engine, model, prompts, temps, max_tokens)
+        _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
+        t0 = time.monotonic()
+        completions = sample(engine, prompts, temps, max_tokens)
+        timings["sampling"] = time.monotonic() - t0
+        _progress(arm, "scoring the sampled sequences on the trainer")
+        t0 = time.monotonic()
+        scored = {
+            t: score(model, _group(completions, temps, t), temperature=t)
+            for t in sorted(set(temps))
+        }
+        timings["scoring"] = time.monotonic() - t0
+        train, eng = align(completions, temps, scored)
+        fingerprints = _fingerprints(model, engine)
         report = None
         if isoexec and locate_dir is not None and not torch.equal(train, eng):
             from isoexec.contract.locate import format_result
 
             located = locate_pair(engine, model, hf_config, prompts[:LOCATE_SEQUENCES], locate_dir)
             report = format_result(located)
-    return _arm_result(isoexec, status, train, eng, report)
+    return arm_result(
+        arm, status, train, eng, token_temperatures(completions, temps), contract_hashes=hashes,
+        verdict=verdict, weight_fingerprints=fingerprints, timings_s=timings, locate=report,
+    )  # fmt: skip
 
 
-def _arm_result(isoexec: bool, status: str, train: Any, eng: Any, report: Any = None) -> ArmResult:
-    import torch
+def _progress(arm: str, what: str) -> None:
+    print(f"isoexec pair [{arm}]: {what}", flush=True)
 
-    diff = (train - eng).abs()
-    ratio_dev = (torch.exp(train.double() - eng.double()) - 1).abs()
-    return ArmResult(
-        arm="isoexec" if isoexec else "stock",
-        handshake=status,
-        tokens=int(train.numel()),
-        bitwise_equal=int((train == eng).sum()),
-        max_abs_diff=float(diff.max()),
-        max_ratio_dev=float(ratio_dev.max()),
-        locate=report,
-    )
+
+class _started:
+    """The engine of one arm, started with a progress line and its start time measured."""
+
+    def __init__(self, config: Any, arm: str) -> None:
+        self.config, self.arm = config, arm
+
+    def __enter__(self) -> tuple[Any, dict[str, float]]:
+        from isoexec.vllm.engine_process import EngineProcess
+
+        log = f", its log in {self.config.log_file}" if self.config.log_file else ""
+        _progress(self.arm, f"starting the engine (TP={self.config.tensor_parallel_size}{log})")
+        t0 = time.monotonic()
+        self.engine = EngineProcess(self.config)
+        timings = {"engine_start": time.monotonic() - t0}
+        _progress(self.arm, f"engine ready in {timings['engine_start']:.1f} s")
+        return self.engine, timings
+
+    def __exit__(self, *exc: object) -> None:
+        self.engine.close()
+
+
+def _fingerprints(model: Any, engine: Any) -> dict[str, str | None]:
+    """Both sides' weight fingerprints (checkpoint names): what each side holds."""
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.megatron import export_hf_weights
+
+    return {
+        "trainer": WeightFingerprint.of(export_hf_weights(model)).digest,
+        "engine": _engine_fingerprint(engine),
+    }
+
+
+def _engine_fingerprint(engine: Any) -> str | None:
+    """The engine workers' common fingerprint; None where they differ or cannot say (a stock
+    engine's CPU linears hold prepacked weights that do not map back to checkpoint tensors)."""
+    from isoexec.vllm.engine_process import EngineError
+
+    try:
+        workers = engine.call("weight_fingerprint")
+    except EngineError:
+        return None
+    return workers[0] if len(set(workers)) == 1 else None
 
 
 def _torchrun_arm(
@@ -159,22 +198,30 @@ def _torchrun_arm(
     prompts: list[list[int]],
     temps: list[float],
     max_tokens: int,
+    timings: dict[str, float],
 ) -> ArmResult:
     """The arm with a TP/PP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
-    after each rank offered its own contract, beside every engine worker) score the samples."""
+    after each rank offered its own contract, beside every engine worker) score the samples.
+    The trainer's weight fingerprint is not gathered from the ranks (None in the report)."""
     import tempfile
 
     from isoexec.contract.handshake.server import HandshakeServer
     from isoexec.megatron.distributed_scoring import score_on_torchrun
 
+    arm = "isoexec" if isoexec else "stock"
+    _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
+    t0 = time.monotonic()
     completions = sample(engine, prompts, temps, max_tokens)
+    timings["sampling"] = time.monotonic() - t0
     levels = sorted(set(temps))
     job: dict[str, Any] = {
         "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "isoexec": isoexec,
         "options": options.to_dict(),
         "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
     }  # fmt: skip
-    status = "n/a (stock arm)"
+    status, hashes, outcome = "n/a (stock arm)", {}, None
+    _progress(arm, f"scoring on a torchrun trainer of {tp * pp} ranks (TP={tp}, PP={pp})")
+    t0 = time.monotonic()
     if not isoexec:
         result = score_on_torchrun(job, tp * pp)
     else:
@@ -199,14 +246,22 @@ def _torchrun_arm(
             result = score_on_torchrun(job, tp * pp)
             t.join(timeout=60)
         verdict = result["verdict"]
+        outcome = verdict["outcome"]
+        _progress(arm, f"handshake {outcome}")
         if verdict["outcome"] != "MATCH":
             raise RuntimeError(
                 f"handshake {verdict['outcome']}: " + "; ".join(verdict["diff"][:10])
             )
         status = f"MATCH {verdict['hash'][:12]}"
+        hashes = {"trainer": verdict["hash"], "engine": (got.get("engine") or [{}])[0].get("hash")}
+    timings["scoring"] = time.monotonic() - t0
     scored = dict(zip(levels, result["logprobs"], strict=True))
     train, eng = align(completions, temps, scored)
-    return _arm_result(isoexec, status, train, eng)
+    fingerprints = {"trainer": None, "engine": _engine_fingerprint(engine)}
+    return arm_result(
+        arm, status, train, eng, token_temperatures(completions, temps), contract_hashes=hashes,
+        verdict=outcome, weight_fingerprints=fingerprints, timings_s=timings,
+    )  # fmt: skip
 
 
 def locate_pair(
@@ -233,116 +288,6 @@ def locate_pair(
     trace_trainer(model, hf_config, sequences, store_values=store_values).write(tpath)
     engine.call("trace", [list(s) for s in sequences], str(epath.resolve()), store_values)
     return locate(Trace.read(tpath), Trace.read(epath))
-
-
-def sample(engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int) -> list[Any]:
-    """The engine samples `max_tokens` tokens per prompt, each at its temperature."""
-    from isoexec.vllm.engine_process import SamplingSpec
-
-    engine.call("reset_prefix_cache")
-    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
-    return engine.generate(prompts, specs)
-
-
-def _group(completions: list[Any], temps: list[float], temp: float) -> list[list[int]]:
-    """The full sequences (prompt + completion) sampled at `temp`, in order."""
-    return [
-        c.prompt_token_ids + c.token_ids
-        for c, t in zip(completions, temps, strict=True)
-        if t == temp
-    ]
-
-
-def align(completions: list[Any], temps: list[float], scored: dict[float, list[Any]]) -> Any:
-    """(trainer, engine) fp32 logprobs of every sampled token, in the same order; `scored`
-    maps each temperature to the trainer's logprobs of `_group(..., temperature)`."""
-    import torch
-
-    train_lps, engine_lps = [], []
-    for temp in sorted(set(temps)):
-        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
-        for c, lp in zip(group, scored[temp], strict=True):
-            train_lps.append(lp[-len(c.token_ids) :].float())
-            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    return torch.cat(train_lps), torch.cat(engine_lps)
-
-
-def sample_and_score(
-    engine: Any,
-    model: Any,
-    prompts: list[list[int]],
-    temps: list[float],
-    max_tokens: int,
-) -> tuple[Any, Any]:
-    """Engine samples; trainer scores exactly the sampled sequences, each at its temperature.
-
-    Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
-    """
-    from isoexec.megatron import score
-
-    completions = sample(engine, prompts, temps, max_tokens)
-    levels = sorted(set(temps))
-    scored = {t: score(model, _group(completions, temps, t), temperature=t) for t in levels}
-    return align(completions, temps, scored)
-
-
-def handshake(
-    trainer_contract: Any,
-    engine: Any,
-    run_id: str = "pair",
-    *,
-    server: Any = None,
-    token: str | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """Trainer rank 0 and every engine worker (one per engine TP rank) offer their contracts
-    concurrently; the service gives one verdict for the run.
-
-    With `server`/`token` the caller's running service is used (it must stay up while weights
-    are synced: workers ask it before loading); without, a temporary one is hosted here.
-    Returns (trainer verdict, engine verdict: the first worker's that is not MATCH, else
-    worker 0's); neither raises on MISMATCH.
-    """
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.server import HandshakeServer
-
-    if server is None:
-        token = secrets.token_hex(16)
-        workers = int(getattr(getattr(engine, "config", None), "tensor_parallel_size", 1))
-        with HandshakeServer({"trainer": 1, "engine": workers}, token) as own:
-            return handshake(trainer_contract, engine, run_id, server=own, token=token)
-    assert token is not None
-    verdicts: dict[str, Any] = {}
-
-    def offer() -> None:
-        with HandshakeClient(server.address, token) as client:
-            verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
-
-    # A daemon thread: if the engine fails, its error surfaces now; the trainer's pending
-    # offer ends with the service (or its rendezvous deadline), it is not waited for.
-    t = threading.Thread(target=offer, daemon=True)
-    t.start()
-    engine_verdicts = engine.call("handshake", server.address, token, run_id)
-    t.join()
-    failed = [v for v in engine_verdicts if v["outcome"] != "MATCH"]
-    return verdicts["trainer"], (failed or engine_verdicts)[0]
-
-
-def format_table(model: str, dtype: str, results: list[ArmResult]) -> str:
-    head = f"isoexec pair — model {model}, dtype {dtype}"
-    rows = [
-        f"{'arm':<8} {'handshake':<20} {'tokens':>6} {'bitwise equal':>14} "
-        f"{'max |Δ logprob|':>16} {'max |ratio-1|':>14}"
-    ]
-    for r in results:
-        if r.error is not None:
-            rows.append(f"{r.arm:<8} failed: {r.error}")
-            continue
-        rows.append(
-            f"{r.arm:<8} {r.handshake:<20} {r.tokens:>6} "
-            f"{f'{r.bitwise_equal} ({100 * r.equal_fraction:.1f}%)':>14} "
-            f"{r.max_abs_diff:>16.3e} {r.max_ratio_dev:>14.3e}"
-        )
-    return "\n".join([head, *rows])
 
 
 def add_parser(sub: Any) -> argparse.ArgumentParser:
@@ -376,6 +321,11 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default=1,
         help="the trainer's pipeline-parallel degree (Megatron's schedule; the torchrun world "
         "has trainer-tp x trainer-pp ranks)",
+    )
+    p.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the engines' and the trainer's own logs (quiet by default; errors always show)",
     )
     p.add_argument(
         "--locate",
@@ -418,7 +368,8 @@ def _run_named_arm(args: argparse.Namespace, arm: str, model_dir: str, out: Path
             model_dir, args.dtype, isoexec=arm == "isoexec", num_prompts=args.num_prompts,
             max_tokens=args.max_tokens, seed=args.seed,
             locate_dir=out / "locate" if args.locate else None, engine_tp=args.engine_tp,
-            trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp,
+            trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, verbose=args.verbose,
+            log_dir=out,
         )  # fmt: skip
     except EngineError as e:
         if arm == "isoexec":
@@ -456,8 +407,15 @@ def run(args: argparse.Namespace) -> int:
     except UnsupportedModelError as e:
         print(f"isoexec pair: {e}", flush=True)
         return 2
+    if not args.verbose:  # the trainer side's own chatter (Megatron's warnings)
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        logging.getLogger("megatron").setLevel(logging.ERROR)
     results = [_run_named_arm(args, arm, model_dir, out) for arm in args.arms.split(",")]
-    table = format_table(args.model or args.preset, args.dtype, results)
+    name = args.model or args.preset
+    table = format_table(name, args.dtype, results)
     print(table, flush=True)
     if args.locate:
         for r in results:
@@ -467,6 +425,26 @@ def run(args: argparse.Namespace) -> int:
                 print("locate: the isoexec arm is 100% bitwise, nothing to locate", flush=True)
             else:
                 print(f"locate ({out / 'locate'}):\n{r.locate}", flush=True)
-    (out / "results.json").write_text(json.dumps([asdict(r) for r in results], indent=2))
+    print(f"isoexec pair: results in {write_results(out, name, args.dtype, results)}", flush=True)
+    plot = write_plot(out, name, args.dtype, results)
+    if plot is None:
+        print("isoexec pair: no plot (matplotlib is not installed: isoexec-contract[report])")
+    else:
+        print(f"isoexec pair: plot in {plot}", flush=True)
     iso = [r for r in results if r.arm == "isoexec"]
     return 0 if all(r.bitwise_equal == r.tokens and r.tokens > 0 for r in iso) else 1
+
+
+__all__ = [  # the shared steps are re-exported: callers import them from here
+    "PRESETS",
+    "ArmResult",
+    "add_parser",
+    "align",
+    "handshake",
+    "locate_pair",
+    "make_prompts",
+    "run",
+    "run_arm",
+    "sample",
+    "sample_and_score",
+]

@@ -49,6 +49,10 @@ class EngineConfig:
     # logprobs of the distribution actually sampled from (after temperature), what PPO needs.
     logprobs_mode: str | None = None
     extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
+    # Where the engine's own output goes (stdout and stderr of the engine process and of every
+    # process it starts: vLLM's logs, warnings, progress bars); None: this process's. Errors
+    # reach the caller either way, as the EngineError's traceback.
+    log_file: str | None = None
     # Which canonical variants run (isoexec only); reaches the workers as additional_config.
     options: IsoExecOptions = field(default_factory=IsoExecOptions)
     # vLLM's own tensor parallelism: its multiprocess executor, one worker per rank (gloo on
@@ -194,6 +198,11 @@ def cpu_binding(tp: int) -> str:
 def _serve(config: EngineConfig, conn: Connection) -> None:
     os.setsid()
     _die_with_parent()
+    if config.log_file is not None:
+        log = os.open(config.log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
     os.environ["ISOEXEC"] = "1" if config.isoexec else "0"
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if config.multiprocessing else "0"
     if config.tensor_parallel_size > 1:

@@ -1,0 +1,123 @@
+"""The steps of a pair run that every caller shares: prompts, sampling on the engine, scoring
+exactly the sampled sequences on the trainer, aligning the two, and the contract handshake.
+
+`isoexec pair`, the integration tests and the examples use these; `pair.py` is the CLI.
+"""
+
+from __future__ import annotations
+
+import random
+import secrets
+import threading
+from typing import Any
+
+
+def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
+    """A mixed batch: different lengths, shared prefixes, one long prompt that gets chunked."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(vocab) for _ in range(140)]
+    prompts = []
+    for i in range(num):
+        if i % 3 == 0:
+            p = shared + [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
+        elif i % 3 == 1:
+            p = [rng.randrange(vocab) for _ in range(rng.randrange(3, 40))]
+        else:
+            p = [rng.randrange(vocab) for _ in range(rng.randrange(180, 260))]
+        prompts.append(p)
+    return prompts
+
+
+def sample(engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int) -> list[Any]:
+    """The engine samples `max_tokens` tokens per prompt, each at its temperature."""
+    from isoexec.vllm.engine_process import SamplingSpec
+
+    engine.call("reset_prefix_cache")
+    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
+    return engine.generate(prompts, specs)
+
+
+def _group(completions: list[Any], temps: list[float], temp: float) -> list[list[int]]:
+    """The full sequences (prompt + completion) sampled at `temp`, in order."""
+    return [
+        c.prompt_token_ids + c.token_ids
+        for c, t in zip(completions, temps, strict=True)
+        if t == temp
+    ]
+
+
+def align(completions: list[Any], temps: list[float], scored: dict[float, list[Any]]) -> Any:
+    """(trainer, engine) fp32 logprobs of every sampled token, in the same order; `scored`
+    maps each temperature to the trainer's logprobs of `_group(..., temperature)`."""
+    import torch
+
+    train_lps, engine_lps = [], []
+    for temp in sorted(set(temps)):
+        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
+        for c, lp in zip(group, scored[temp], strict=True):
+            train_lps.append(lp[-len(c.token_ids) :].float())
+            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
+    return torch.cat(train_lps), torch.cat(engine_lps)
+
+
+def sample_and_score(
+    engine: Any,
+    model: Any,
+    prompts: list[list[int]],
+    temps: list[float],
+    max_tokens: int,
+) -> tuple[Any, Any]:
+    """Engine samples; trainer scores exactly the sampled sequences, each at its temperature.
+
+    Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
+    """
+    from isoexec.megatron import score
+
+    completions = sample(engine, prompts, temps, max_tokens)
+    levels = sorted(set(temps))
+    scored = {t: score(model, _group(completions, temps, t), temperature=t) for t in levels}
+    return align(completions, temps, scored)
+
+
+def handshake(
+    trainer_contract: Any,
+    engine: Any,
+    run_id: str = "pair",
+    *,
+    server: Any = None,
+    token: str | None = None,
+) -> tuple[Any, dict[str, Any]]:
+    """Trainer rank 0 and every engine worker (one per engine TP rank) offer their contracts
+    concurrently; the service gives one verdict for the run.
+
+    With `server`/`token` the caller's running service is used (it must stay up while weights
+    are synced: workers ask it before loading); without, a temporary one is hosted here.
+    Returns (trainer verdict, engine verdict: the first worker's that is not MATCH, else
+    worker 0's); neither raises on MISMATCH.
+    """
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.server import HandshakeServer
+
+    if server is None:
+        token = secrets.token_hex(16)
+        workers = int(getattr(getattr(engine, "config", None), "tensor_parallel_size", 1))
+        with HandshakeServer({"trainer": 1, "engine": workers}, token) as own:
+            return handshake(trainer_contract, engine, run_id, server=own, token=token)
+    assert token is not None
+    verdicts: dict[str, Any] = {}
+
+    def offer() -> None:
+        with HandshakeClient(server.address, token) as client:
+            verdicts["trainer"] = client.offer(run_id, "trainer", 0, trainer_contract)
+
+    # A daemon thread: if the engine fails, its error surfaces now; the trainer's pending
+    # offer ends with the service (or its rendezvous deadline), it is not waited for.
+    t = threading.Thread(target=offer, daemon=True)
+    t.start()
+    engine_verdicts = engine.call("handshake", server.address, token, run_id)
+    t.join()
+    failed = [v for v in engine_verdicts if v["outcome"] != "MATCH"]
+    return verdicts["trainer"], (failed or engine_verdicts)[0]
+
+
+__all__ = ["align", "handshake", "make_prompts", "sample", "sample_and_score"]
