@@ -75,6 +75,14 @@ def test_pair_cli_on_the_release_layout(dtype: str, tmp_path: Path) -> None:
     iso, stock = arms["isoexec"], arms["stock"]
     assert iso["handshake"].startswith("MATCH")
     assert iso["bitwise_equal"] == iso["tokens"] == 36
+    # The report: identity of the run, per-temperature statistics, the plot, quiet engines.
+    assert iso["contract_hashes"]["trainer"] == iso["contract_hashes"]["engine"]
+    assert iso["weight_fingerprints"]["trainer"] == iso["weight_fingerprints"]["engine"]
+    assert iso["stats"]["kl_k3"] == 0.0 and set(iso["by_temperature"]) == {"0.7", "1"}
+    assert iso["timings_s"]["engine_start"] > 0 and iso["verdict"] == "MATCH"
+    assert (out / "pair.png").read_bytes()[:4] == b"\x89PNG"
+    assert "Tokenizer not available" not in run.stdout  # vLLM's chatter is in the engine log
+    assert "Tokenizer not available" in (out / "engine-isoexec.log").read_text()
     if dtype == "bfloat16":
         assert stock["error"] is None
         assert stock["tokens"] == 36 and stock["bitwise_equal"] < stock["tokens"]
