@@ -1,0 +1,69 @@
+"""What every canonical trainer module shares: the refusal error, the config that carries the
+IsoExec choices (RoPE base, TP leaves, backend, logprobs mode) into the modules Megatron builds,
+and how a module finds the ops and the `ImplInfo` of its site (`canonical_modules` has the why)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from isoexec.contract import ops
+from isoexec.contract.impl import ImplInfo
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+# vLLM's DEFAULT_VOCAB_PADDING_SIZE: the engine's lm-head weight has this many rows per block.
+LM_HEAD_ROW_PADDING = 64
+
+
+class CanonicalSiteError(RuntimeError):
+    """A slot was asked for something its canonical op cannot express: refused, no fallback."""
+
+
+@dataclass
+class IsoTransformerConfig(TransformerConfig):
+    """`TransformerConfig` plus the RoPE base the canonical core attention applies.
+
+    Why a field: `SelfAttention` constructs its core attention with a fixed set of arguments,
+    and the isoexec model has no Megatron rotary embedding (RoPE is canonical, in the core
+    attention), so the base travels with the config.
+    """
+
+    isoexec_rope_theta: float | None = None
+    # Rotated dims per head (partial RoPE, Qwen3-Next); None: the whole head.
+    isoexec_rotary_dim: int | None = None
+    # Row-parallel sites (o_proj, down_proj): None = `ops.linear` (TP=1 only); G = the
+    # TP-invariant `linear_tp` with K in G fixed leaves, bitwise the same for every TP | G.
+    isoexec_tp_leaves: int | None = None
+    # Which backend's kernels every site runs (`ops.BACKENDS`): "torch" or "triton".
+    isoexec_backend: str = "torch"
+    # vLLM's name of the logprobs the trainer scores (`IsoExecOptions.logprobs_mode`).
+    isoexec_logprobs_mode: str = "processed_logprobs"
+
+
+def site_backend(config: TransformerConfig) -> str:
+    """The backend this model's sites run (IsoTransformerConfig.isoexec_backend)."""
+    backend = getattr(config, "isoexec_backend", ops.BACKEND)
+    if backend not in ops.BACKENDS:
+        raise CanonicalSiteError(f"unknown backend {backend!r}; known: {list(ops.BACKENDS)}")
+    return str(backend)
+
+
+def site_ops(config: TransformerConfig) -> ModuleType:
+    """The module whose functions a site calls: `ops` itself, or the Triton twin."""
+    return ops.backend_ops(site_backend(config))
+
+
+def site_impl(config: TransformerConfig, op: str, **params: object) -> ImplInfo:
+    """What a site of this config records for `op` (backend included)."""
+    return ops.get_backend_impl(op, site_backend(config), **params)
+
+
+def _tp_size(module: torch.nn.Module) -> int:
+    """The module's own TP degree: its group's size (a whole shared expert's linears sit in a
+    size-1 group inside a TP=2 model), else the config's."""
+    group = getattr(module, "tp_group", None)
+    if group is not None:
+        return int(group.size())
+    return int(module.config.tensor_model_parallel_size)  # type: ignore[union-attr]
