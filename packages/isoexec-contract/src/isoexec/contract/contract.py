@@ -37,15 +37,26 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
-from collections.abc import Callable, Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
-from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
+from isoexec.contract.contract_errors import ContractError, SchemaVersionError
+from isoexec.contract.contract_json import (
+    _exact_keys,
+    _exactify,
+    _no_duplicate_keys,
+    _obj,
+    _opt_str,
+    _refuse_constant,
+    _refuse_float,
+    _str,
+    canonical_json,
+)
+from isoexec.contract.impl import ImplInfo
 from isoexec.contract.parallel_layout import SERIAL_LAYOUT, ParallelLayout, ParallelLayoutError
 
 SCHEMA_VERSION = 2
@@ -63,14 +74,6 @@ class HasNameOp(Protocol):
     def name(self) -> str: ...
     @property
     def op(self) -> str: ...
-
-
-class ContractError(ValueError):
-    """A contract that cannot be built, read or trusted."""
-
-
-class SchemaVersionError(ContractError):
-    """The bytes declare a schema version this code does not know: refused, never guessed."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -155,7 +158,9 @@ class Contract:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        _validate(self)
+        from isoexec.contract.contract_validate import validate
+
+        validate(self)
 
     # -- canonical form ---------------------------------------------------------------------
 
@@ -465,164 +470,6 @@ def config_digest(fields: Mapping[str, object]) -> str:
     `1e-6` vs `1e-5` differs; nested mappings/lists are allowed.
     """
     return hashlib.sha256(canonical_json(_exactify(dict(fields)))).hexdigest()
-
-
-# --------------------------------------------------------------------------------------------
-# Canonical JSON
-# --------------------------------------------------------------------------------------------
-
-
-def canonical_json(obj: object) -> bytes:
-    """Sorted keys, no whitespace, UTF-8; refuses floats (anywhere) and non-string keys."""
-    _check_no_floats(obj, "$")
-    return json.dumps(
-        obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False
-    ).encode("utf-8")
-
-
-def _check_no_floats(obj: object, where: str) -> None:
-    if isinstance(obj, float):
-        raise ContractError(f"{where}: floats are not allowed in a contract (use exact strings)")
-    if isinstance(obj, Mapping):
-        for k, v in obj.items():
-            if not isinstance(k, str):
-                raise ContractError(f"{where}: non-string key {k!r}")
-            _check_no_floats(v, f"{where}.{k}")
-    elif isinstance(obj, list | tuple):
-        for i, v in enumerate(obj):
-            _check_no_floats(v, f"{where}[{i}]")
-    elif not (obj is None or isinstance(obj, str | int)):
-        raise ContractError(f"{where}: {type(obj).__name__} is not a JSON contract value")
-
-
-def _exactify(obj: object) -> object:
-    if isinstance(obj, bool) or obj is None or isinstance(obj, int | str):
-        return obj
-    if isinstance(obj, float):
-        if math.isnan(obj):
-            return "nan"
-        return obj.hex()
-    if isinstance(obj, Mapping):
-        return {str(k): _exactify(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [_exactify(v) for v in obj]
-    return str(obj)
-
-
-def _refuse_float(s: str) -> Any:
-    raise ContractError(f"float {s} in contract: floats are not allowed (use exact strings)")
-
-
-def _refuse_constant(s: str) -> Any:
-    raise ContractError(f"{s} in contract: not allowed")
-
-
-def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ContractError(f"duplicate key {k!r} in contract")
-        out[k] = v
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------
-
-
-def _obj(v: object, where: str) -> dict[str, Any]:
-    if not isinstance(v, dict):
-        raise ContractError(f"{where}: expected an object")
-    return v
-
-
-def _exact_keys(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
-    unknown = sorted(set(d) - allowed)
-    if unknown:
-        raise ContractError(f"{where}: unknown field(s) {', '.join(unknown)}")
-    missing = sorted(allowed - set(d))
-    if missing:
-        raise ContractError(f"{where}: missing field(s) {', '.join(missing)}")
-
-
-def _str(v: object, where: str) -> str:
-    if not isinstance(v, str):
-        raise ContractError(f"{where}: expected a string, got {type(v).__name__}")
-    return v
-
-
-def _opt_str(v: object, where: str) -> str | None:
-    return None if v is None else _str(v, where)
-
-
-def _validate(c: Contract) -> None:
-    """Refuse contracts that could not be compared honestly (applies to built and loaded)."""
-    if type(c.schema_version) is not int or c.schema_version not in KNOWN_SCHEMA_VERSIONS:
-        raise SchemaVersionError(f"unknown contract schema_version {c.schema_version!r}")
-    checks: list[tuple[object, str, Callable[[object], bool]]] = [
-        (c.model.architecture, "model.architecture", _nonempty),
-        (c.model.config_digest, "model.config_digest", _nonempty),
-        (c.dtypes.params, "dtypes.params", _nonempty),
-        (c.dtypes.activations, "dtypes.activations", _nonempty),
-        (c.dtypes.residual, "dtypes.residual", _nonempty),
-        (c.dtypes.logprobs, "dtypes.logprobs", _nonempty),
-        (c.backend.torch, "backend.torch", _nonempty),
-        (c.backend.device_kind, "backend.device_kind", _nonempty),
-        (c.backend.arch, "backend.arch", _nonempty),
-    ]
-    for value, where, ok in checks:
-        if not ok(value):
-            raise ContractError(f"{where}: must be a non-empty string, got {value!r}")
-    if not isinstance(c.model.layer_kinds, tuple):
-        raise ContractError("model.layer_kinds: must be a tuple of strings")
-    if c.backend.threads is not None and (
-        type(c.backend.threads) is not int or c.backend.threads < 1
-    ):
-        raise ContractError("backend.threads: must be a positive integer or None")
-    if not isinstance(c.parallel, ParallelLayout):
-        raise ContractError(f"parallel: must be a ParallelLayout, got {c.parallel!r}")
-    if not isinstance(c.sites, tuple) or not c.sites:
-        raise ContractError("a contract needs at least one site (as a tuple of SiteRecord)")
-    seen: set[str] = set()
-    for s in c.sites:
-        if not isinstance(s, SiteRecord) or not isinstance(s.impl, ImplInfo):
-            raise ContractError(f"sites must be SiteRecord(name, ImplInfo, tp), got {s!r}")
-        if not isinstance(s.name, str) or not _SITE_NAME.match(s.name):
-            raise ContractError(f"invalid site name {s.name!r}")
-        if s.name in seen:
-            raise ContractError(f"duplicate site {s.name!r}")
-        seen.add(s.name)
-        i = s.impl
-        if not _nonempty(i.op) or not _nonempty(i.impl_id) or not _nonempty(i.backend):
-            raise ContractError(f"site {s.name!r}: op, impl_id and backend must be non-empty")
-        if i.impl_id.startswith(NATIVE_PREFIX) and i.impl_id == NATIVE_PREFIX:
-            raise ContractError(f"site {s.name!r}: native impl without a module class")
-        if type(i.version) is not int or i.version < 0:
-            raise ContractError(f"site {s.name!r}: version must be a non-negative integer")
-        if not isinstance(i.source_fingerprint, str) or (
-            i.source_fingerprint and not _HEX.match(i.source_fingerprint)
-        ):
-            raise ContractError(f"site {s.name!r}: source_fingerprint must be lower-case hex")
-        if not i.is_native and not i.source_fingerprint:
-            raise ContractError(
-                f"site {s.name!r}: impl {i.impl_id!r} has no source fingerprint (an edited "
-                "kernel could keep an old hash)"
-            )
-        keys = [k for k, _ in i.params]
-        if keys != sorted(set(keys)) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in i.params
-        ):
-            raise ContractError(
-                f"site {s.name!r}: params must be sorted unique (str, str) pairs "
-                "(use ImplInfo.make)"
-            )
-        if not (s.tp == TP_INVARIANT or (s.tp.isdigit() and s.tp[0] != "0")):
-            raise ContractError(f"site {s.name!r}: tp must be 'invariant' or a degree ≥ 1")
-
-
-def _nonempty(v: object) -> bool:
-    return isinstance(v, str) and v != ""
 
 
 __all__ = [
