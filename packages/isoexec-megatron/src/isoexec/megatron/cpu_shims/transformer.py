@@ -1,20 +1,5 @@
-"""Every patch Megatron-core 0.16.1 needs to build and run a model on a CPU-only torch.
-
-Megatron assumes CUDA in a handful of places (it moves tensors to
-`torch.cuda.current_device()`, allocates buffers with `device="cuda"`, seeds the CUDA RNG) and
-compiles a few helpers with `torch.compile`. IsoExec's CPU tests, and CPU trainer-side checks,
-need a real Megatron model, so each assumption is undone here by one small, named shim.
-
-Rules:
-- Nothing is patched on import. `apply_cpu_shims()` applies them all, explicitly; it is
-  idempotent and returns the names of the shims now in force, so callers can report them.
-- Each shim is as narrow as we could make it: it replaces one function or method (or one module
-  global) and keeps the upstream behaviour apart from the device.
-- Shims are for a CPU-only process. `apply_cpu_shims()` refuses to run when CUDA is available,
-  so a GPU trainer never silently runs with them.
-- The version is pinned: a different megatron-core is refused, because every replacement below
-  copies 0.16.1 code and would drift silently otherwise.
-"""
+"""CPU shims for Megatron's transformer, MoE, RNG, tensor- and pipeline-parallel code
+(`isoexec.megatron.cpu_shims` has the rules they follow)."""
 
 from __future__ import annotations
 
@@ -25,25 +10,22 @@ from typing import Any
 
 import torch
 
-SUPPORTED_MEGATRON_VERSION = "0.16.1"
 
-_APPLIED: list[str] = []
+class _TorchWithCpuCurrentDevice:
+    """The `torch` module, except that `torch.cuda.current_device()` is "cpu"."""
 
+    class _Cuda:
+        @staticmethod
+        def current_device() -> str:
+            return "cpu"
 
-def _check_environment() -> None:
-    """Refuse to patch a CUDA process or a megatron-core these shims were not written for."""
-    if torch.cuda.is_available():
-        raise RuntimeError(
-            "apply_cpu_shims() is for CPU-only processes, but CUDA is available; "
-            "the shims would move Megatron's CUDA buffers onto the CPU."
-        )
-    from megatron.core import package_info
+        def __getattr__(self, name: str) -> Any:
+            return getattr(torch.cuda, name)
 
-    if package_info.__version__ != SUPPORTED_MEGATRON_VERSION:
-        raise RuntimeError(
-            f"isoexec.megatron.cpu_shims was written for megatron-core "
-            f"{SUPPORTED_MEGATRON_VERSION}, found {package_info.__version__}; review the shims."
-        )
+    cuda = _Cuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
 
 
 # --------------------------------------------------------------------------------------------
@@ -359,153 +341,6 @@ def shim_tp_mappings_on_cpu() -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 9. Zero-centred RMSNorm (`layernorm_zero_centered_gamma`) without Transformer Engine
-# --------------------------------------------------------------------------------------------
-
-
-class ZeroCenteredTorchRMSNorm(torch.nn.RMSNorm):
-    """RMSNorm with a zero-centred gain: `rms_norm(x) * (1 + weight)`, computed in fp32 and
-    rounded once to the input dtype; `weight` starts at zero.
-
-    This is Transformer Engine's `RMSNorm(zero_centered_gamma=True)` (what `TENorm` builds for
-    `layernorm_zero_centered_gamma` on a GPU), in torch, for the CPU. It is also HF's
-    `Qwen3NextRMSNorm` / `Qwen3_5RMSNorm` definition.
-    """
-
-    def reset_parameters(self) -> None:
-        if self.weight is not None:
-            torch.nn.init.zeros_(self.weight)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gain = self.weight.float() + 1.0
-        return torch.nn.functional.rms_norm(x.float(), self.normalized_shape, gain, self.eps).to(
-            x.dtype
-        )
-
-
-_WRAPPED_TORCH_NORM_NEW: list[Callable[..., Any]] = []  # upstream __new__, saved once
-
-
-def shim_torch_norm_zero_centered_gamma() -> None:
-    """Let Megatron's local norm (`WrappedTorchNorm`) build a zero-centred RMSNorm.
-
-    Why: in megatron-core 0.16.1 only Transformer Engine's `TENorm` (and apex's LayerNorm)
-    implement `layernorm_zero_centered_gamma`; `WrappedTorchNorm`, the no-TE norm, asserts the
-    flag off. The GDN hybrids (Qwen3-Next, Qwen3.5) use zero-centred norms everywhere, so a
-    stock Megatron model of them on a CPU needs this. With the flag on (RMSNorm only), the
-    norm is `ZeroCenteredTorchRMSNorm` (TE's definition, in torch); everything else,
-    including every upstream assertion, is upstream's. Upstream's `zero_centered_gamma`
-    argument, unused in 0.16.1, is honoured when given (None: the config's flag): Megatron's
-    `GatedDeltaNet` builds its output norm from the same config, but HF's gated output norm
-    has a plain gain, and the native GDN spec says so explicitly.
-    """
-    from megatron.core.transformer import torch_norm
-
-    if not _WRAPPED_TORCH_NORM_NEW:
-        _WRAPPED_TORCH_NORM_NEW.append(torch_norm.WrappedTorchNorm.__new__)
-    upstream_new = _WRAPPED_TORCH_NORM_NEW[0]
-
-    def __new__(
-        cls: type,
-        config: Any,
-        hidden_size: int,
-        eps: float = 1e-5,
-        persist_layer_norm: bool = False,
-        zero_centered_gamma: bool | None = None,
-        normalization: str = "LayerNorm",
-    ) -> torch.nn.Module:
-        zero_centered = (
-            config.layernorm_zero_centered_gamma
-            if zero_centered_gamma is None
-            else zero_centered_gamma
-        )
-        if not config.layernorm_zero_centered_gamma and not zero_centered:
-            return upstream_new(cls, config, hidden_size, eps)
-        if config.normalization != "RMSNorm":
-            raise NotImplementedError(
-                f"zero-centred {config.normalization} has no torch implementation here"
-            )
-        assert not config.persist_layer_norm, "persist_layer_norm not supported by torch norms"
-        assert not config.sequence_parallel, "sequence parallel not supported by torch norms"
-        assert not config.memory_efficient_layer_norm, "memory_efficient_layer_norm unsupported"
-        norm_cls = ZeroCenteredTorchRMSNorm if zero_centered else torch.nn.RMSNorm
-        return norm_cls(normalized_shape=hidden_size, eps=eps)
-
-    __new__.__doc__ = upstream_new.__doc__
-    torch_norm.WrappedTorchNorm.__new__ = __new__  # type: ignore[method-assign,assignment]
-
-
-# --------------------------------------------------------------------------------------------
-# 10. GatedDeltaNet: the flash-linear-attention kernels, on the CPU
-# --------------------------------------------------------------------------------------------
-
-
-def shim_gated_delta_net_without_fla() -> None:
-    """Give Megatron's `GatedDeltaNet` torch versions of the two fla functions it calls.
-
-    Why: `GatedDeltaNet.__init__` refuses to construct without flash-linear-attention (fla,
-    CUDA/Triton kernels that cannot run on a CPU), and its forward calls fla's `l2norm` (on
-    q and k) and `chunk_gated_delta_rule`. Bound instead, in `megatron.core.ssm.gated_delta_net`:
-    `chunk_gated_delta_rule` = Megatron's own `torch_chunk_gated_delta_rule` from the same
-    module (the torch chunked delta rule it runs in `deterministic_mode`), and `l2norm` =
-    Hugging Face transformers' torch `l2norm` (`models.qwen3_next.modeling_qwen3_next`,
-    written to match fla's, `x * rsqrt(sum(x²) + 1e-6)`; imported, not copied). `HAVE_FLA` is
-    then True. Without transformers the module is left as it is (GatedDeltaNet keeps
-    refusing); the causal conv already falls back to `nn.Conv1d` (no `causal_conv1d`).
-    """
-    from megatron.core.ssm import gated_delta_net as gdn
-
-    hf_l2norm = _hf_l2norm()
-    if gdn.HAVE_FLA and getattr(gdn, "l2norm", None) is not hf_l2norm:
-        raise RuntimeError("flash-linear-attention is installed: this shim is for an fla-less CPU")
-    if hf_l2norm is None:
-        return
-    gdn.l2norm = hf_l2norm  # type: ignore[attr-defined]
-    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
-    gdn.HAVE_FLA = True
-
-
-def _hf_l2norm() -> Callable[..., torch.Tensor] | None:
-    try:
-        from transformers.models.qwen3_next.modeling_qwen3_next import l2norm
-    except ImportError:
-        return None
-    return l2norm  # type: ignore[no-any-return]
-
-
-class _TorchWithCpuCurrentDevice:
-    """The `torch` module, except that `torch.cuda.current_device()` is "cpu"."""
-
-    class _Cuda:
-        @staticmethod
-        def current_device() -> str:
-            return "cpu"
-
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch.cuda, name)
-
-    cuda = _Cuda()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-def shim_gated_delta_net_on_cpu() -> None:
-    """Let `GatedDeltaNet` allocate its conv1d, `dt_bias` and `A_log` on the CPU.
-
-    Why: its constructor and `reset_parameters` create them with
-    `device=torch.cuda.current_device()`, which raises on a CPU-only torch. Only the `torch`
-    global of `megatron.core.ssm.gated_delta_net` is replaced, by a view of torch whose
-    `cuda.current_device()` is "cpu"; every other attribute is torch's own, so shapes, dtypes
-    and initialisation are upstream's.
-    """
-    from megatron.core.ssm import gated_delta_net as gdn
-
-    if not isinstance(gdn.torch, _TorchWithCpuCurrentDevice):
-        gdn.torch = _TorchWithCpuCurrentDevice()  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------------------------------
 # 11. Pipeline parallelism (PP>1 over gloo): p2p buffers and the schedule's token counter
 # --------------------------------------------------------------------------------------------
 
@@ -536,61 +371,3 @@ def shim_pipeline_on_cpu() -> None:
     for mod in (p2p, schedules):
         if not isinstance(mod.torch, _TorchForCpuPipeline):
             mod.torch = _TorchForCpuPipeline()  # type: ignore[assignment]
-
-
-# --------------------------------------------------------------------------------------------
-
-_SHIMS: tuple[Callable[[], None], ...] = (
-    shim_disable_jit_fuser,
-    shim_rotary_embedding_stays_on_cpu,
-    shim_global_memory_buffer_on_cpu,
-    shim_causal_masks_on_cpu,
-    shim_router_gating_on_cpu,
-    shim_moe_utils_without_te,
-    shim_cpu_rng_tracker,
-    shim_tp_mappings_on_cpu,
-    shim_torch_norm_zero_centered_gamma,
-    shim_gated_delta_net_without_fla,
-    shim_gated_delta_net_on_cpu,
-    shim_pipeline_on_cpu,
-)
-
-# Shims that must be re-run when more Megatron modules have been imported since.
-_RERUNNABLE = {"shim_disable_jit_fuser"}
-
-
-def apply_cpu_shims() -> list[str]:
-    """Apply every CPU shim (idempotent) and return the names of those in force.
-
-    Imports the Megatron modules the shims patch first, so later imports find them patched.
-    """
-    _check_environment()
-    # Import what we patch (and what holds `jit_fuser`s) before patching, so nothing is missed.
-    import megatron.core.fusions.fused_softmax
-    import megatron.core.models.gpt.gpt_model
-    import megatron.core.ssm.gated_delta_net
-    import megatron.core.transformer.moe.experts
-    import megatron.core.transformer.moe.moe_layer
-    import megatron.core.transformer.moe.router
-    import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
-
-    for shim in _SHIMS:
-        if shim.__name__ in _APPLIED and shim.__name__ not in _RERUNNABLE:
-            continue
-        shim()
-        if shim.__name__ not in _APPLIED:
-            _APPLIED.append(shim.__name__)
-    return applied_cpu_shims()
-
-
-def applied_cpu_shims() -> list[str]:
-    """Names of the shims applied in this process, in application order."""
-    return list(_APPLIED)
-
-
-__all__ = [
-    "SUPPORTED_MEGATRON_VERSION",
-    "applied_cpu_shims",
-    "apply_cpu_shims",
-    "model_parallel_cpu_manual_seed",
-]
