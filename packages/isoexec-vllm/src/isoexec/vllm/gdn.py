@@ -257,9 +257,9 @@ def _install_qwen3_next_attention() -> None:
     model class. This rebinds the one module-global name the decoder layer constructs it
     through, before any model is built (same technique as `sampler.install_sampler`).
     """
-    import vllm.model_executor.models.qwen3_next as qwen3_next
+    from isoexec.vllm.patches import rebind_qwen3_next_attention
 
-    qwen3_next.Qwen3NextAttention = IsoQwen3NextAttention  # type: ignore[misc]
+    rebind_qwen3_next_attention(IsoQwen3NextAttention)
 
 
 def register_gdn() -> None:

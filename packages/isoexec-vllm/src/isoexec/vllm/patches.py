@@ -1,10 +1,20 @@
-"""Writes into vLLM's own tables where vLLM 0.32 offers no extension point. One place, each
-with its reason, pinned to the vLLM version they were written against.
+"""Every place IsoExec writes into vLLM where vLLM 0.32 offers no extension point. One module,
+each patch with its reason, pinned to the vLLM version they were written against (everything
+else enters through vLLM's own extension points: `CustomOp` / `PluggableLayer.register_oot`,
+`ModelRegistry.register_model`, the attention-backend registry, the worker extension).
 
+- `rebind_sampler`: the model runner constructs its sampler through the module-global name
+  `vllm.v1.worker.gpu_model_runner.Sampler` (the CPU runner inherits it); the sampler is not a
+  `CustomOp`, so the name is rebound to IsoExec's.
+- `rebind_qwen3_next_attention`: `Qwen3NextAttention` is a plain `nn.Module` whose output gate
+  is inline; Qwen3-Next's decoder layer constructs it through the module-global name, which is
+  rebound.
 - `text_only_config_hook`: vLLM picks a per-architecture config hook from
   `vllm.model_executor.models.config.MODELS_CONFIG_MAP`; the table has no registration
   function. Served text only, a Qwen3.5 vision-language architecture needs the hook of its
   causal-LM sibling, which drops the M-RoPE fields so the runner passes 1-D positions.
+- IsoExec's linear layers override `CustomOp.dispatch_forward` (`layers.py`) to bind the
+  engine's backend when vLLM constructs the layer: a method vLLM calls, not a public hook.
 """
 
 from __future__ import annotations
@@ -22,6 +32,29 @@ class VllmVersionError(RuntimeError):
     """vLLM's internals differ from those a patch here was written for."""
 
 
+def _rebind(module: object, name: str, new: type) -> None:
+    if not hasattr(module, name):
+        raise VllmVersionError(
+            f"{getattr(module, '__name__', module)}.{name} is gone (written for vLLM "
+            f"{WRITTEN_FOR_VLLM}): IsoExec cannot install {new.__name__}"
+        )
+    setattr(module, name, new)
+
+
+def rebind_sampler(sampler_cls: type) -> None:
+    """Make vLLM's (V1) model runner build `sampler_cls` (in the worker, before the runner)."""
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    _rebind(runner, "Sampler", sampler_cls)
+
+
+def rebind_qwen3_next_attention(attention_cls: type) -> None:
+    """Make Qwen3-Next decoder layers build `attention_cls` (before any model is built)."""
+    import vllm.model_executor.models.qwen3_next as qwen3_next
+
+    _rebind(qwen3_next, "Qwen3NextAttention", attention_cls)
+
+
 def text_only_config_hook(arch: str) -> None:
     """Give `arch` its causal-LM sibling's config hook (a no-op for a causal-LM name)."""
     sibling = _TEXT_ONLY_HOOK_OF.get(arch)
@@ -37,4 +70,10 @@ def text_only_config_hook(arch: str) -> None:
     table[arch] = table[sibling]
 
 
-__all__ = ["WRITTEN_FOR_VLLM", "VllmVersionError", "text_only_config_hook"]
+__all__ = [
+    "WRITTEN_FOR_VLLM",
+    "VllmVersionError",
+    "rebind_qwen3_next_attention",
+    "rebind_sampler",
+    "text_only_config_hook",
+]

@@ -99,9 +99,9 @@ def install_sampler() -> None:
     runner constructs it through (`vllm.v1.worker.gpu_model_runner.Sampler`, also the base
     of the CPU runner). It runs in the worker process before the runner exists.
     """
-    import vllm.v1.worker.gpu_model_runner as runner
+    from isoexec.vllm.patches import rebind_sampler
 
-    runner.Sampler = IsoSampler  # type: ignore[misc]
+    rebind_sampler(IsoSampler)
     # On CUDA vLLM 0.32 defaults to Model Runner V2, which builds its own sampler: select the
     # V1 runner, whose sampler this is. A user who asks for V2 explicitly keeps it; its
     # logprobs site then reads back native and the handshake refuses (never a silent MATCH).
