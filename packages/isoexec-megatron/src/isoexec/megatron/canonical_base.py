@@ -11,13 +11,11 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
+from isoexec.contract.protocol import LM_HEAD_ROW_PADDING, SiteRefusedError
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-# vLLM's DEFAULT_VOCAB_PADDING_SIZE: the engine's lm-head weight has this many rows per block.
-LM_HEAD_ROW_PADDING = 64
 
-
-class CanonicalSiteError(RuntimeError):
+class CanonicalSiteError(SiteRefusedError):
     """A slot was asked for something its canonical op cannot express: refused, no fallback."""
 
 
@@ -67,3 +65,13 @@ def _tp_size(module: torch.nn.Module) -> int:
     if group is not None:
         return int(group.size())
     return int(module.config.tensor_model_parallel_size)  # type: ignore[union-attr]
+
+
+__all__ = [
+    "LM_HEAD_ROW_PADDING",
+    "CanonicalSiteError",
+    "IsoTransformerConfig",
+    "site_backend",
+    "site_impl",
+    "site_ops",
+]

@@ -29,13 +29,11 @@ from typing import Any
 import torch
 
 from isoexec.contract import ops
+from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
 
 TokenSeq = Sequence[int] | torch.Tensor
-
-# vLLM's _SAMPLING_EPS: a request below it is greedy and the engine reports T=1 logprobs.
-_SAMPLING_EPS = 1e-5
 
 
 def _as_ids(seq: TokenSeq, vocab_size: int) -> torch.Tensor:
@@ -67,7 +65,7 @@ def _effective_temperature(temperature: float, model: torch.nn.Module | None = N
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
         return 1.0
-    return 1.0 if t < _SAMPLING_EPS else t
+    return 1.0 if t < SAMPLING_EPS else t
 
 
 def token_logprobs(

@@ -16,6 +16,7 @@ import torch
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.contract.protocol import SiteRefusedError
 from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
@@ -36,7 +37,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
 )
 
 
-class UnsupportedSiteError(RuntimeError):
+class UnsupportedSiteError(SiteRefusedError):
     """A layer asked for something the canonical ops cannot express: refuse, never fall back."""
 
 

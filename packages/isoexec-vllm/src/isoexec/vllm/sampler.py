@@ -20,13 +20,13 @@ import torch
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
+from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
-_SAMPLING_EPS = 1e-5  # vLLM's: below it a request is greedy and its logits are not tempered
 
 
 def canonical_logprobs(
@@ -35,7 +35,7 @@ def canonical_logprobs(
     """Full fp32 log-softmax rows, each at its request's temperature (greedy rows: T=1)."""
     if temperature is None:
         return backend_ops.log_softmax(logits)
-    temps = torch.where(temperature < _SAMPLING_EPS, 1.0, temperature).float().cpu()
+    temps = torch.where(temperature < SAMPLING_EPS, 1.0, temperature).float().cpu()
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for t in torch.unique(temps).tolist():
         rows = (temps == t).nonzero().reshape(-1).to(logits.device)
