@@ -21,7 +21,11 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from isoexec.megatron.cpu_shims import apply_cpu_shims, model_parallel_cpu_manual_seed
+from isoexec.megatron.cpu_shims import (
+    apply_cpu_shims,
+    model_parallel_cpu_manual_seed,
+    reset_cpu_rng_tracker,
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +78,6 @@ def megatron_parallel(
             "GPU trainers initialise NCCL + model_parallel_cuda_manual_seed themselves"
         )
     from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel import random as mrandom
 
     if ps.model_parallel_is_initialized():
         raise RuntimeError(
@@ -106,8 +109,7 @@ def megatron_parallel(
                 owns_process_group=owns,
             )
         finally:
-            mrandom._CUDA_RNG_STATE_TRACKER = None
-            mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+            reset_cpu_rng_tracker()
             ps.destroy_model_parallel()
     finally:
         if owns and dist.is_initialized():

@@ -30,6 +30,7 @@ from isoexec.megatron.cpu_shims.gdn import (
 )
 from isoexec.megatron.cpu_shims.transformer import (
     model_parallel_cpu_manual_seed,
+    reset_cpu_rng_tracker,
     shim_causal_masks_on_cpu,
     shim_cpu_rng_tracker,
     shim_disable_jit_fuser,
@@ -118,4 +119,5 @@ __all__ = [
     "applied_cpu_shims",
     "apply_cpu_shims",
     "model_parallel_cpu_manual_seed",
+    "reset_cpu_rng_tracker",
 ]

@@ -296,6 +296,19 @@ def model_parallel_cpu_manual_seed(seed: int) -> None:
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
 
 
+def reset_cpu_rng_tracker() -> None:
+    """Forget the seeded RNG tracker when a parallel state ends.
+
+    Why: Megatron keeps its tracker in module globals and offers no reset; a later
+    `megatron_parallel()` in the same process must start from a fresh, freshly seeded one
+    (`model_parallel_cpu_manual_seed`), not inherit the old streams.
+    """
+    import megatron.core.tensor_parallel.random as mrandom
+
+    mrandom._CUDA_RNG_STATE_TRACKER = None
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = False
+
+
 def shim_cpu_rng_tracker() -> None:
     """Point `tensor_parallel.random.model_parallel_cuda_manual_seed` at the CPU version.
 
