@@ -24,14 +24,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from _pairing import assert_tp_invariant_match_and_bitwise, scoring_jobs
+import torch
+from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.options import IsoExecOptions
 from isoexec.contract.pair import handshake, make_prompts
 from isoexec.contract.tiny_models import make_tiny_model
-from isoexec.vllm.engine_process import SamplingSpec
+from isoexec.vllm.engine_process import EngineError, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -79,27 +80,45 @@ def tp_run(
     engine_pool: Callable[..., Any],
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """Each case's TP=2 engine samples; one torchrun launch scores it all at TP=1 and TP=2
-    (plus the default-options TP=1 contract, for the fail-closed check)."""
-    sampled: dict[tuple[str, str], list[Any]] = {}
+    """The trainer contracts first (one torchrun launch: TP=1 and TP=2 per case, plus the
+    default-options TP=1 contract for the fail-closed check); then each case's TP=2 engine,
+    started once: the handshake against both trainer contracts, its samples, its weight
+    fingerprint; then one torchrun launch scores every sample at TP=1 and TP=2."""
+    opts = TP_INVARIANT.to_dict()
+    contract_jobs = [
+        {"model": model, "dtype": dtype, "tp": tp, "isoexec": True, "options": opts,
+         "contract": True, "seqs": [[1, 2, 3]]}
+        for (_, dtype), model in models.items() for tp in (1, 2)
+    ]  # fmt: skip
+    contract_jobs.append({"model": models[DENSE32], "dtype": "float32", "tp": 1, "isoexec": True,
+                          "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
+    contracts = [Contract.from_bytes(r["contract"]) for r in run_tp_jobs(contract_jobs, [])]
+    cases: dict[tuple[str, str], dict[str, Any]] = {}
     jobs: list[dict[str, Any]] = []
-    for (preset, dtype), model in models.items():
+    for i, ((preset, dtype), model) in enumerate(models.items()):
         engine = _engine(engine_pool, model, dtype, isoexec=True, options=TP_INVARIANT,
                          tensor_parallel_size=2)  # fmt: skip
+        verdicts = {
+            tp: handshake(contracts[2 * i + j], engine,
+                          run_id=f"engine-tp2-{preset}-{dtype}-trainer-tp{tp}")
+            for j, tp in enumerate((1, 2))
+        }  # fmt: skip
         engine.call("reset_prefix_cache")
         prompts = make_prompts(len(TEMPS), 512, seed=12)
-        sampled[preset, dtype] = engine.generate(
+        sampled = engine.generate(
             prompts, [SamplingSpec(max_tokens=6, temperature=t) for t in TEMPS]
         )
+        try:
+            fingerprint: Any = engine.call("weight_fingerprint")
+        except EngineError as e:
+            fingerprint = str(e)
+        cases[preset, dtype] = {"contracts": contracts[2 * i : 2 * i + 2], "verdicts": verdicts,
+                                "sampled": sampled, "fingerprint": fingerprint}  # fmt: skip
         for tp in (1, 2):
-            jobs += scoring_jobs(
-                sampled[preset, dtype], TEMPS, model=model, dtype=dtype, tp=tp, isoexec=True,
-                options=TP_INVARIANT.to_dict(), contract=True,
-            )  # fmt: skip
-    jobs.append({"model": models[DENSE32], "dtype": "float32", "tp": 1, "isoexec": True,
-                 "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
-    results = run_tp_jobs(jobs, [])
-    return {"sampled": sampled, "jobs": jobs, "results": results}
+            jobs += scoring_jobs(sampled, TEMPS, model=model, dtype=dtype, tp=tp, isoexec=True,
+                                 options=opts)  # fmt: skip
+    return {"cases": cases, "jobs": jobs, "results": run_tp_jobs(jobs, []),
+            "default_contract": contracts[-1]}  # fmt: skip
 
 
 @pytest.mark.parametrize("trainer_tp", [1, 2])
@@ -110,17 +129,38 @@ def test_tp2_engine_matches_and_equals_trainer_bitwise(
     trainer_tp: int,
     tp_run: dict[str, Any],
     models: dict[tuple[str, str], str],
-    engine_pool: Callable[..., Any],
 ) -> None:
+    case = tp_run["cases"][preset, dtype]
+    contract = case["contracts"][trainer_tp - 1]
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    trainer_verdict, engine_verdict = case["verdicts"][trainer_tp]
+    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
     model = models[preset, dtype]
-    engine = _engine(engine_pool, model, dtype, isoexec=True, options=TP_INVARIANT,
-                     tensor_parallel_size=2)  # fmt: skip
     mine = [(j, r) for j, r in zip(tp_run["jobs"], tp_run["results"], strict=True)
-            if j["model"] == model and j["tp"] == trainer_tp and "temperature" in j]  # fmt: skip
-    assert_tp_invariant_match_and_bitwise(
-        mine, engine, tp_run["sampled"][preset, dtype], TEMPS,
-        run_id=f"engine-tp2-{preset}-{dtype}-trainer-tp{trainer_tp}",
-    )  # fmt: skip
+            if j["model"] == model and j["tp"] == trainer_tp]  # fmt: skip
+    train, eng = aligned_logprobs(case["sampled"], TEMPS, [j for j, _ in mine],
+                                  [r for _, r in mine])  # fmt: skip
+    assert train.numel() == sum(len(c.token_ids) for c in case["sampled"]) > 0
+    assert torch.equal(train, eng), (train - eng).abs().max()
+
+
+@pytest.mark.parametrize(("preset", "dtype"), CASES)
+def test_tp2_engine_weight_fingerprint_is_the_checkpoints(
+    preset: str, dtype: str, tp_run: dict[str, Any], models: dict[tuple[str, str], str]
+) -> None:
+    """Each worker of a TP=2 engine gathers its sharded weights over the TP group and hashes
+    the whole checkpoint-named tensors: the checkpoint's own fingerprint, on both workers
+    (what the weight gate records after a sync). GDN layers shard per key-head group and are
+    refused with the reason, never hashed as shards."""
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.megatron.hf_checkpoint import read_hf_state_dict
+
+    got = tp_run["cases"][preset, dtype]["fingerprint"]
+    if preset in ("tiny-gdn", "tiny-qwen35"):
+        assert isinstance(got, str) and "GDN layer's weights at TP=2" in got, got
+        return
+    expected = WeightFingerprint.of(read_hf_state_dict(models[preset, dtype])).digest
+    assert got == [expected, expected]
 
 
 def test_fail_closed_tp2_engine_with_all_reduce_is_refused(
@@ -135,7 +175,7 @@ def test_fail_closed_tp2_engine_with_all_reduce_is_refused(
     pinned = sorted(s.name for s in mine.sites if s.tp != "invariant")
     assert pinned and all(n.endswith((".o_proj", ".down_proj")) for n in pinned), pinned
     assert {mine.site(n).tp for n in pinned} == {"2"}
-    trainer = Contract.from_bytes(tp_run["results"][-1]["contract"])  # TP=1, default options
+    trainer = tp_run["default_contract"]  # TP=1, default options
     trainer_verdict, engine_verdict = handshake(trainer, engine, run_id="engine-tp2-all-reduce")
     assert engine_verdict["outcome"] == "MISMATCH" and not trainer_verdict.matched
     diff = "\n".join(trainer_verdict.diff)

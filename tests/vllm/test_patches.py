@@ -37,11 +37,12 @@ def test_shared_protocol_facts_are_vllms_and_both_sides_refuse_alike() -> None:
     """The constants both sides import from `isoexec.contract.protocol` are vLLM's own values
     (a vLLM upgrade that changes them fails here), and each side's refusal error is the shared
     `SiteRefusedError`."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
+    from vllm.sampling_params import _SAMPLING_EPS
+
     from isoexec.contract.protocol import LM_HEAD_ROW_PADDING, SAMPLING_EPS, SiteRefusedError
     from isoexec.megatron.canonical_base import CanonicalSiteError
     from isoexec.vllm.layers import UnsupportedSiteError
-    from vllm.model_executor.layers.vocab_parallel_embedding import DEFAULT_VOCAB_PADDING_SIZE
-    from vllm.sampling_params import _SAMPLING_EPS
 
     assert SAMPLING_EPS == _SAMPLING_EPS and LM_HEAD_ROW_PADDING == DEFAULT_VOCAB_PADDING_SIZE
     assert issubclass(CanonicalSiteError, SiteRefusedError)

@@ -6,8 +6,13 @@ Qwen3.5 the split GDN projections in_proj_qkv/z into `in_proj_qkvz`, in_proj_b/a
 compared with the trainer's export. Which GDN layout a layer holds is read from the live layer
 (`gqa_interleaved_layout`): Qwen3-Next's interleaved fused tensors are checkpoint tensors as
 they are. Names are the checkpoint's: a vision-language checkpoint's text weights carry its
-`model.language_model.` prefix (`architectures.Architecture.text_prefix`). TP=1 only: a
-sharded engine must gather first (refused here).
+`model.language_model.` prefix (`architectures.Architecture.text_prefix`).
+
+At TP>1 every worker gathers each sharded weight over the TP group first (a collective: all
+workers fingerprint together, as `collective_rpc` and the gated load do), by the layer's own
+sharding: column-parallel rows per part (q/k/v, gate/up), row-parallel columns, vocab rows,
+expert halves. GDN layers (their fused projections and conv shard per key-head group) are
+refused at TP>1, as are KV heads replicated across ranks: never a fingerprint of shards.
 """
 
 from __future__ import annotations
@@ -48,10 +53,7 @@ def _text_named_weights(
     )
     q_size, kv_size = heads * head_dim * (2 if gated else 1), kv_heads * head_dim
     flat_gdn = _flat_gdn_layers(model)
-    for name, param in model.named_parameters():
-        t = param.detach()
-        if getattr(param, "tp_size", 1) not in (1, None):
-            raise UnsupportedWeightLayoutError(f"{name}: sharded (TP>1) weights")
+    for name, t in _whole_named_parameters(model):
         if name.endswith("self_attn.qkv_proj.weight"):
             base = name[: -len("qkv_proj.weight")]
             q, k, v = t.split([q_size, kv_size, kv_size], dim=0)
@@ -77,6 +79,72 @@ def _text_named_weights(
                 yield f"{base}{e}.down_proj.weight", w
         else:
             yield name, t
+
+
+def _whole_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, whole tensor) for every parameter: as held at TP=1, gathered at TP>1."""
+    from vllm.distributed import get_tensor_model_parallel_world_size
+
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1:
+        for name, param in model.named_parameters():
+            yield name, param.detach()
+        return
+    gdn = [p for p, m in model.named_modules() if hasattr(m, "gqa_interleaved_layout")]
+    seen: set[int] = set()
+    for path, module in model.named_modules():
+        for pname, param in module.named_parameters(recurse=False):
+            if id(param) in seen:  # tied / shared parameters: once, as named_parameters does
+                continue
+            seen.add(id(param))
+            name = f"{path}.{pname}" if path else pname
+            if any(name.startswith(g + ".") for g in gdn):
+                raise UnsupportedWeightLayoutError(
+                    f"{name}: a GDN layer's weights at TP={tp} (sharded per key-head group) "
+                    "are not gathered for the fingerprint"
+                )
+            yield name, _whole(module, pname, param.detach(), tp)
+
+
+def _whole(module: torch.nn.Module, pname: str, t: torch.Tensor, tp: int) -> torch.Tensor:
+    """`t` as one tensor, gathered over the TP group by `module`'s sharding."""
+    from vllm.distributed import tensor_model_parallel_all_gather as all_gather
+    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.linear import (
+        ColumnParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    if isinstance(module, ReplicatedLinear):
+        return t
+    if isinstance(module, ColumnParallelLinear):
+        if getattr(module, "num_kv_head_replicas", 1) != 1:
+            raise UnsupportedWeightLayoutError(
+                f"{pname} of {type(module).__name__}: KV heads replicated across {tp} ranks"
+            )
+        sizes = [s // tp for s in getattr(module, "output_sizes", [t.shape[0] * tp])]
+        parts = t.split(sizes, dim=0)  # this rank's rows of each part (q, k, v / gate, up)
+        return torch.cat([all_gather(p.contiguous(), 0) for p in parts], dim=0)
+    if isinstance(module, RowParallelLinear):
+        return all_gather(t.contiguous(), t.dim() - 1) if pname == "weight" else t
+    if isinstance(module, VocabParallelEmbedding):
+        return all_gather(t.contiguous(), 0)[: module.org_vocab_size]
+    if isinstance(module, FusedMoE):
+        if pname.startswith("w13"):
+            gate, up = t.chunk(2, dim=-2)
+            return torch.cat(
+                [all_gather(gate.contiguous(), -2), all_gather(up.contiguous(), -2)], -2
+            )
+        if pname.startswith("w2"):
+            return all_gather(t.contiguous(), -1)
+        raise UnsupportedWeightLayoutError(f"{pname} of FusedMoE at TP={tp}")
+    if t.dim() <= 1 and "norm" in type(module).__name__.lower():
+        return t  # norms are replicated on every rank
+    raise UnsupportedWeightLayoutError(
+        f"{pname} of {type(module).__name__}: its sharding at TP={tp} is not known here"
+    )
 
 
 def _flat_gdn_layers(model: torch.nn.Module) -> dict[str, list[int]]:
