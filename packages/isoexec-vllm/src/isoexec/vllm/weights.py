@@ -109,7 +109,7 @@ def _whole_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
 def _whole(module: torch.nn.Module, pname: str, t: torch.Tensor, tp: int) -> torch.Tensor:
     """`t` as one tensor, gathered over the TP group by `module`'s sharding."""
     from vllm.distributed import tensor_model_parallel_all_gather as all_gather
-    from vllm.model_executor.layers.fused_moe import FusedMoE
+    from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
     from vllm.model_executor.layers.linear import (
         ColumnParallelLinear,
         ReplicatedLinear,
@@ -131,7 +131,7 @@ def _whole(module: torch.nn.Module, pname: str, t: torch.Tensor, tp: int) -> tor
         return all_gather(t.contiguous(), t.dim() - 1) if pname == "weight" else t
     if isinstance(module, VocabParallelEmbedding):
         return all_gather(t.contiguous(), 0)[: module.org_vocab_size]
-    if isinstance(module, FusedMoE):
+    if isinstance(module, RoutedExperts):  # FusedMoE's experts: [E, 2I/tp, H], [E, H, I/tp]
         if pname.startswith("w13"):
             gate, up = t.chunk(2, dim=-2)
             return torch.cat(
@@ -139,7 +139,7 @@ def _whole(module: torch.nn.Module, pname: str, t: torch.Tensor, tp: int) -> tor
             )
         if pname.startswith("w2"):
             return all_gather(t.contiguous(), -1)
-        raise UnsupportedWeightLayoutError(f"{pname} of FusedMoE at TP={tp}")
+        raise UnsupportedWeightLayoutError(f"{pname} of the routed experts at TP={tp}")
     if t.dim() <= 1 and "norm" in type(module).__name__.lower():
         return t  # norms are replicated on every rank
     raise UnsupportedWeightLayoutError(
