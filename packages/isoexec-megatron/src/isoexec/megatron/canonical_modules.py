@@ -129,27 +129,6 @@ __all__ = [
     "IsoSiluMul",
     "IsoTopKRouter",
     "IsoTransformerConfig",
-    "packed_positions",
-    "qkv_hf_row_order",
-]
-
-
-__all__ = [
-    "LM_HEAD_ROW_PADDING",
-    "CanonicalSiteError",
-    "IsoColumnParallelLinear",
-    "IsoCoreAttention",
-    "IsoGPTModel",
-    "IsoMoELayer",
-    "IsoOutputLayer",
-    "IsoQKVLinear",
-    "IsoRMSNorm",
-    "IsoRowParallelLinear",
-    "IsoSequentialMLP",
-    "IsoSharedExpertMLP",
-    "IsoSiluMul",
-    "IsoTopKRouter",
-    "IsoTransformerConfig",
     "_tp_size",
     "packed_positions",
     "qkv_hf_row_order",
