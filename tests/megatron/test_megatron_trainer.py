@@ -222,6 +222,13 @@ def test_unknown_architecture_refused(qwen3_dir: Path) -> None:
         assert arch in str(e.value)
 
 
+def test_every_architecture_in_the_table_has_a_trainer_parser() -> None:
+    """The contract's architecture table is the one list; the trainer parses each entry."""
+    from isoexec.contract.architectures import ARCHITECTURES
+
+    assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
+
+
 @pytest.mark.parametrize(
     "patch, match",
     [

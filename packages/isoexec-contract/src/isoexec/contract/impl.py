@@ -103,6 +103,34 @@ class ImplInfo:
         return dict(self.params)
 
 
+def declared_impl(holder: object, op: str) -> ImplInfo | None:
+    """The `ImplInfo` an object declares for `op`, or None.
+
+    The one convention both readbacks use: a module running several ops carries
+    `isoexec_impls` ({op: ImplInfo}); a module running one carries `isoexec_impl`.
+    """
+    impls = getattr(holder, "isoexec_impls", None)
+    if impls and op in impls:
+        return impls[op]  # type: ignore[no-any-return]
+    impl = getattr(holder, "isoexec_impl", None)
+    if isinstance(impl, ImplInfo) and impl.op == op:
+        return impl
+    return None
+
+
+def installed_impl(op: str, *holders: object, native_class: str) -> ImplInfo:
+    """What runs `op` at a site: the first declaration found on `holders` (in order; None
+    entries skipped), else the framework's own kernel, recorded as `native:<native_class>`.
+
+    Each side passes the objects where its framework keeps the maths (the engine: the layer,
+    its `quant_method` and its `impl`; the trainer: the module).
+    """
+    for holder in holders:
+        if holder is not None and (found := declared_impl(holder, op)) is not None:
+            return found
+    return ImplInfo.native(op, native_class)
+
+
 def _param_str(v: object) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"

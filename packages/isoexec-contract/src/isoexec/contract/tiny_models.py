@@ -243,11 +243,25 @@ def make_tiny_model(
     model = model.to(torch_dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    _save_quietly(model, out)
     if release:
         del model
         _release_layout(out, int(config.text_config.hidden_size), torch_dtype, seed)
     return out
+
+
+def _save_quietly(model: Any, out: Path) -> None:
+    """`save_pretrained` without transformers' "Writing model shards" bar: a tiny model is
+    written in milliseconds, and the bar is noise in `isoexec pair` and CI output."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        model.save_pretrained(out)
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _release_layout(out: Path, hidden: int, dtype: Any, seed: int) -> None:

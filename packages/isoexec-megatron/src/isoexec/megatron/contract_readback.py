@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.contract import BackendIdentity, Contract
-from isoexec.contract.impl import ImplInfo
+from isoexec.contract.impl import ImplInfo, declared_impl, installed_impl
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.hf_config import HFConfigSource, ModelArch, _read_source, load_hf_config
@@ -81,18 +81,8 @@ def hf_config_dict(arch: ModelArch) -> dict[str, Any]:
     return cfg
 
 
-def _declared(obj: Any, op: str) -> ImplInfo | None:
-    impls = getattr(obj, "isoexec_impls", None)
-    if impls and op in impls:
-        return impls[op]
-    impl = getattr(obj, "isoexec_impl", None)
-    if isinstance(impl, ImplInfo) and impl.op == op:
-        return impl
-    return None
-
-
 def _impl_of(obj: Any, op: str) -> ImplInfo:
-    return _declared(obj, op) or ImplInfo.native(op, type(obj).__name__)
+    return installed_impl(op, obj, native_class=type(obj).__name__)
 
 
 def _lookup(modules: Mapping[str, Any], path: str, site: str) -> Any:
@@ -120,7 +110,7 @@ def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, Imp
         prefix = f"decoder.layers.{int(idx) - stage.first_layer}"  # the stage's own numbering
         if rest == "self_attn.rope":
             core = _lookup(modules, f"{prefix}.self_attention.core_attention", name)
-            declared = _declared(core, op)
+            declared = declared_impl(core, op)
             if declared is not None and rotary is not None:
                 raise SiteNotFoundError(
                     f"site {name}: both the core attention ({type(core).__name__}) and the "

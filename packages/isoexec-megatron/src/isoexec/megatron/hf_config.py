@@ -24,7 +24,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from isoexec.contract.architectures import UnsupportedModelError, architecture_of, text_config
+from isoexec.contract.architectures import (
+    UnsupportedModelError,
+    architecture_name,
+    architecture_of,
+    text_config,
+)
 
 HFConfigSource = str | os.PathLike[str] | Mapping[str, Any] | Any
 
@@ -133,16 +138,6 @@ def _read_source(src: HFConfigSource) -> dict[str, Any]:
         f"expected a checkpoint dir, a config.json path, a mapping or a PretrainedConfig; "
         f"got {type(src).__name__}"
     )
-
-
-def _architecture(cfg: Mapping[str, Any]) -> str:
-    archs = cfg.get("architectures") or []
-    if len(archs) != 1:
-        raise ValueError(
-            f"HF config must name exactly one architecture in 'architectures', got {archs!r}; "
-            f"supported: {sorted(_PARSERS)}"
-        )
-    return str(archs[0])
 
 
 def _require(cfg: Mapping[str, Any], key: str) -> Any:
@@ -406,12 +401,8 @@ def load_hf_config(src: HFConfigSource) -> ModelArch:
     `UnsupportedConfigError` (a ValueError) for a supported one using a feature we cannot build.
     """
     cfg = _read_source(src)
-    arch = _architecture(cfg)
-    parser = _PARSERS.get(arch)
-    if parser is None:
-        raise ValueError(
-            f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+    arch = architecture_name(cfg)  # refuses an unknown or ambiguous one, naming the supported
+    parser = _PARSERS[arch]  # every architecture in the table has a parser (tested)
     try:
         layout = architecture_of(cfg)
         parsed = parser(text_config(cfg), arch)

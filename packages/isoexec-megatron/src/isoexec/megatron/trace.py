@@ -10,8 +10,8 @@ maths gives equal digests:
 - the fused QKV output is put in the engine's `[q; k; v]` column order (Megatron keeps
   columns interleaved per query group) — an exact permutation, for canonical and native;
 - rope has no module here: the canonical core attention calls `ops.apply_rope` for q and k,
-  a native model Megatron's `apply_rotary_pos_emb`; both are wrapped while tracing and the
-  row is `cat(q, k)` per token;
+  a native model Megatron's `apply_rotary_pos_emb`; both are wrapped while tracing
+  (`patches.rope_calls_wrapped`) and the row is `cat(q, k)` per token;
 - lm_head: logits sliced to the HF vocab (padding columns dropped);
 - logprobs: `score(…, temperature=1.0)`, one value per position 0..n-2.
 Not recorded: `mlp.router` (the engine routes inside its experts runner, so there is nothing
@@ -23,8 +23,7 @@ not a module).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from isoexec.contract.sites import model_sites
 from isoexec.contract.trace import UNTRACED_SITES, Trace, first_tensor, rows_2d
 from isoexec.megatron.contract_readback import _LAYER_PATHS, _TOP_PATHS
 from isoexec.megatron.hf_config import HFConfigSource, _read_source
+from isoexec.megatron.patches import rope_calls_wrapped
 
 SIDE = "trainer"
 
@@ -155,23 +155,6 @@ class TrainerTracer:
 
         return wrapped
 
-    @contextlib.contextmanager
-    def rope_wrapped(self) -> Iterator[None]:
-        """Wrap the two functions that apply RoPE on the trainer, restored on exit."""
-        import megatron.core.transformer.attention as mattn
-        from isoexec.contract import ops
-
-        saved = [(ops, "apply_rope", ops.apply_rope)]
-        if hasattr(mattn, "apply_rotary_pos_emb"):
-            saved.append((mattn, "apply_rotary_pos_emb", mattn.apply_rotary_pos_emb))
-        try:
-            for owner, attr, fn in saved:
-                setattr(owner, attr, self._capture(fn))
-            yield
-        finally:
-            for owner, attr, fn in saved:
-                setattr(owner, attr, fn)
-
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
@@ -196,7 +179,7 @@ def trace_trainer(
     cfg = _read_source(hf_config)
     tracer = TrainerTracer(model, cfg, store_values=store_values)
     try:
-        with tracer.rope_wrapped():
+        with rope_calls_wrapped(tracer._capture):
             for i, seq in enumerate(sequences):
                 ids = [int(t) for t in seq]
                 tracer.trace.begin_sequence(i, ids)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.impl import ImplInfo
+from isoexec.contract.impl import ImplInfo, installed_impl
 from isoexec.contract.sites import model_sites
 
 
@@ -53,17 +53,9 @@ def _module_path(site: str) -> str:
 
 def _impl_of(obj: Any, op: str) -> ImplInfo:
     """The ImplInfo an object declares for `op`, looking where vLLM keeps the maths."""
-    for holder in (obj, getattr(obj, "quant_method", None), getattr(obj, "impl", None)):
-        if holder is None:
-            continue
-        impls = getattr(holder, "isoexec_impls", None)  # modules running several ops
-        if impls and op in impls:
-            return impls[op]
-        impl = getattr(holder, "isoexec_impl", None)
-        if impl is not None and impl.op == op:
-            return impl
-    inner = getattr(obj, "impl", None) or getattr(obj, "quant_method", None) or obj
-    return ImplInfo.native(op, type(inner).__name__)
+    quant, impl = getattr(obj, "quant_method", None), getattr(obj, "impl", None)
+    inner = impl or quant or obj
+    return installed_impl(op, obj, quant, impl, native_class=type(inner).__name__)
 
 
 def read_sites(

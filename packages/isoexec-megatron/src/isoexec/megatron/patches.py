@@ -1,0 +1,47 @@
+"""Every place IsoExec writes into Megatron-core for a reason other than the CPU (those are in
+`cpu_shims`). One module, each patch with its reason, pinned to the megatron-core version it
+was written against; the model itself is composed through Megatron's own extension point,
+`ModuleSpec` (`layer_specs.py`).
+
+- `rope_calls_wrapped`: tracing only. RoPE has no module on the trainer, so a forward hook
+  cannot see it: IsoExec's core attention calls `isoexec.contract.ops.apply_rope`, a native
+  Megatron attention the module-global `megatron.core.transformer.attention
+  .apply_rotary_pos_emb`. Both names are rebound to a wrapper for the length of a trace and
+  restored on exit (also on error).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+WRITTEN_FOR_MEGATRON_CORE = "0.16"
+
+RopeFn = Callable[..., Any]
+
+
+class MegatronVersionError(RuntimeError):
+    """Megatron-core's internals differ from those a patch here was written for."""
+
+
+@contextlib.contextmanager
+def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
+    """Within the block, every RoPE application on the trainer runs `wrap(original)`."""
+    import megatron.core.transformer.attention as mattn
+    from isoexec.contract import ops
+
+    if not hasattr(mattn, "apply_rotary_pos_emb"):
+        raise MegatronVersionError(
+            "megatron.core.transformer.attention.apply_rotary_pos_emb is gone (written for "
+            f"megatron-core {WRITTEN_FOR_MEGATRON_CORE}): the trainer's RoPE cannot be traced"
+        )
+    saved = [(ops, "apply_rope", ops.apply_rope),
+             (mattn, "apply_rotary_pos_emb", mattn.apply_rotary_pos_emb)]  # fmt: skip
+    try:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, wrap(fn))
+        yield
+    finally:
+        for owner, attr, fn in saved:
+            setattr(owner, attr, fn)
