@@ -77,31 +77,34 @@ class IsoMoERunner(MoERunner):
         self._check_supported()
 
     def _check_supported(self) -> None:
-        re, cfg = self.routed_experts, self.moe_config
+        experts, cfg = self.routed_experts, self.moe_config
         problems = []
-        if not isinstance(re.quant_method, IsoUnquantizedFusedMoEMethod):
-            problems.append(f"expert method {type(re.quant_method).__name__} (quantized?)")
+        if not isinstance(experts.quant_method, IsoUnquantizedFusedMoEMethod):
+            problems.append(f"expert method {type(experts.quant_method).__name__} (quantized?)")
         if self.gate is None or not _is_canonical_linear(self.gate):
             problems.append("no canonical router gate held by the runner")
         if cfg.ep_size > 1 or cfg.dp_size > 1 or cfg.pcp_size > 1:
             problems.append("expert/data/context-parallel MoE")
         if cfg.is_sequence_parallel:
             problems.append("sequence-parallel MoE")
-        if re.global_num_experts != re.local_num_experts or re.expert_map is not None:
+        if (
+            experts.global_num_experts != experts.local_num_experts
+            or experts.expert_map is not None
+        ):
             problems.append("expert map / redundant experts")
-        if re.activation != MoEActivation.SILU:
-            problems.append(f"activation {re.activation}")
-        if re.use_grouped_topk or re.custom_routing_function is not None:
+        if experts.activation != MoEActivation.SILU:
+            problems.append(f"activation {experts.activation}")
+        if experts.use_grouped_topk or experts.custom_routing_function is not None:
             problems.append("grouped or custom routing")
-        if re.scoring_func != "softmax":
-            problems.append(f"scoring {re.scoring_func!r}")
-        if re.e_score_correction_bias is not None:
+        if experts.scoring_func != "softmax":
+            problems.append(f"scoring {experts.scoring_func!r}")
+        if experts.e_score_correction_bias is not None:
             problems.append("score correction bias")
-        if re.routed_scaling_factor != 1.0 or self.routed_scaling_factor != 1.0:
+        if experts.routed_scaling_factor != 1.0 or self.routed_scaling_factor != 1.0:
             problems.append("routed scaling factor")
-        if re.apply_router_weight_on_input:
+        if experts.apply_router_weight_on_input:
             problems.append("router weight applied on the input")
-        if cfg.has_bias or re.swiglu_limit is not None or re.swiglu_alpha is not None:
+        if cfg.has_bias or experts.swiglu_limit is not None or experts.swiglu_alpha is not None:
             problems.append("expert bias / clamped SwiGLU")
         if self.routed_input_transform is not None or self.routed_output_transform is not None:
             problems.append("latent (transformed) routed experts")
@@ -142,11 +145,13 @@ class IsoMoERunner(MoERunner):
         if shared_experts_input is not None and shared_experts_input is not hidden_states:
             raise UnsupportedSiteError("separate shared-expert input is not canonical")
         x = hidden_states
-        re = self.routed_experts
+        experts = self.routed_experts
         assert self.gate is not None
         o = self.ops
         logits = o.linear(x, self.gate.weight)
-        topk_weights, topk_ids = o.moe_router(logits, re.top_k, renormalize=re.renormalize)
+        topk_weights, topk_ids = o.moe_router(
+            logits, experts.top_k, renormalize=experts.renormalize
+        )
         shared: dict[str, torch.Tensor] = {}
         if self._shared_experts is not None:
             mlp = self._shared_experts._layer
@@ -154,8 +159,8 @@ class IsoMoERunner(MoERunner):
             shared["shared_w2"] = self._whole(mlp.down_proj.weight, -1)
             if getattr(mlp, "expert_gate", None) is not None:
                 shared["shared_gate_w"] = mlp.expert_gate.weight  # replicated
-        w13 = self._whole(re.w13_weight, -2, gate_up=True)
-        w2 = self._whole(re.w2_weight, -1)
+        w13 = self._whole(experts.w13_weight, -2, gate_up=True)
+        w2 = self._whole(experts.w2_weight, -1)
         return o.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
 
     def _whole(self, w: torch.Tensor, dim: int, *, gate_up: bool = False) -> torch.Tensor:

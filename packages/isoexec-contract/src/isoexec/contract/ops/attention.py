@@ -74,98 +74,117 @@ def _attend_fwd(
     with B chunks each for a paged cache read in its block layout; values past a sequence's
     own keys are zero. Returns fp32 [T, H, Dv].
 
-    Only the fixed-shape GEMMs are issued one by one (per row block x KV head x key chunk);
-    everything between them is per row, so it runs batched over all sequences — the bits of a
-    row are those it gets alone (rows never share a block across sequences).
+    The GEMM items are (row block, KV head, key chunk) tiles of one fixed shape, run as one
+    batched matmul per phase (scores, then probabilities x values); a batched matmul computes
+    each item on its own, so an item's bits do not depend on how many run beside it.
+    Everything between the GEMMs is per row. The bits of a row are those it gets alone: rows
+    never share a block across sequences, and the softmax sums run over fixed-width chunks
+    in chunk order.
     """
     t, h, d = q.shape
-    ns, na, hkv, nbc, c, dv = vf.shape
+    n_seqs, n_cache_blocks, hkv, chunks_per_cache_block, c, dv = vf.shape
     g = h // hkv
     r = block_rows
     dev = q.device
-    nch = na * nbc
-    lkp = nch * c
+    n_chunks = n_cache_blocks * chunks_per_cache_block
+    keys_padded = n_chunks * c
     if c != kv_tile or kf.shape[:5] != vf.shape[:5] or kf.shape[-1] != d:
         raise ValueError(f"key tiles {tuple(kf.shape)} / {tuple(vf.shape)} for kv_tile={kv_tile}")
     # Rows of sequence s, in (query, member of the KV-head group) order, fill its own blocks.
-    counts = torch.bincount(q_seg, minlength=ns)
+    counts = torch.bincount(q_seg, minlength=n_seqs)
     nblocks = (counts * g + r - 1) // r
     blk_start = torch.cumsum(nblocks, 0) - nblocks
     seg_start = torch.cumsum(counts, 0) - counts
-    nb = int(nblocks.sum())
+    n_row_blocks = int(nblocks.sum())
     i_t = torch.arange(t, device=dev) - seg_start[q_seg]
     dest = (blk_start[q_seg] * r + i_t * g)[:, None] + torch.arange(g, device=dev)  # [T, g]
     dest = dest.reshape(-1)
     qv = q.float().reshape(t, hkv, g, d).permute(0, 2, 1, 3).reshape(t * g, hkv, d)
-    qb = torch.zeros(nb * r, hkv, d, device=dev)
+    qb = torch.zeros(n_row_blocks * r, hkv, d, device=dev)
     qb[dest] = qv
-    qb = qb.view(nb, r, hkv, d).permute(0, 2, 1, 3).contiguous()  # [NB, Hkv, R, D]
+    qb = qb.view(n_row_blocks, r, hkv, d).permute(0, 2, 1, 3).contiguous()  # [NB, Hkv, R, D]
     # Row k of the result is slot dest[k] of the blocks (dest ascends): padding slots exist
     # only inside the GEMMs, the per-row softmax runs on the real rows alone.
-    row_of = torch.full((nb * r,), -1, dtype=torch.long, device=dev)
+    row_of = torch.full((n_row_blocks * r,), -1, dtype=torch.long, device=dev)
     row_of[dest] = torch.arange(t * g, device=dev)
     rpos = q_pos.long().repeat_interleave(g)  # [T*g]
-    bmax = torch.zeros(nb * r, dtype=torch.long, device=dev)
+    bmax = torch.zeros(n_row_blocks * r, dtype=torch.long, device=dev)
     bmax[dest] = rpos
-    bchunks = bmax.view(nb, r).amax(-1) // c + 1  # key chunks each row block needs
-    bch = bchunks.tolist()
-    bseg = torch.repeat_interleave(torch.arange(ns, device=dev), nblocks)
+    bchunks = bmax.view(n_row_blocks, r).amax(-1) // c + 1  # key chunks each row block needs
+    block_chunks = bchunks.tolist()
+    block_seq = torch.repeat_interleave(torch.arange(n_seqs, device=dev), nblocks)
     out = torch.empty(t * g, hkv, dv, dtype=torch.float32, device=dev)
     qflat, kflat, vflat = qb.view(-1, r, d), kf.view(-1, c, d), vf.view(-1, c, dv)
     heads = torch.arange(hkv, device=dev)
     one_block_each = bool((nblocks == 1).all())  # block b is sequence b's only block
-    kidx = torch.arange(lkp, device=dev).view(nch, c)
+    kidx = torch.arange(keys_padded, device=dev).view(n_chunks, c)
     slots = torch.arange(r, device=dev)
-    sb = max(1, _MAX_SCORE_ELEMS // (hkv * r * lkp))  # row blocks held at once
-    for b0 in range(0, nb, sb):
-        b1 = min(nb, b0 + sb)
-        nbg, ncs = b1 - b0, max(bch[b0:b1])
+    blocks_per_pass = max(1, _MAX_SCORE_ELEMS // (hkv * r * keys_padded))  # row blocks held at once
+    for b0 in range(0, n_row_blocks, blocks_per_pass):
+        b1 = min(n_row_blocks, b0 + blocks_per_pass)
+        n_pass_blocks, n_chunks_used = b1 - b0, max(block_chunks[b0:b1])
         k0, k1 = _row_range(row_of, b0 * r, b1 * r)
         # the GEMM items (block, head, chunk), chunk < the block's need; one bmm each phase
-        if one_block_each and nbg == nb:
+        if one_block_each and n_pass_blocks == n_row_blocks:
             # one row block per sequence (decode): every key tile, in tile order, so the
             # GEMM operands are views; chunks past a row's position add exact zeros
-            ncs = nch
-            ib, ia, ih, ibc = (
+            n_chunks_used = n_chunks
+            item_block, item_cache_block, item_head, item_chunk_in_cache_block = (
                 x.reshape(-1)
                 for x in torch.meshgrid(
-                    torch.arange(nb, device=dev),
-                    torch.arange(na, device=dev),
+                    torch.arange(n_row_blocks, device=dev),
+                    torch.arange(n_cache_blocks, device=dev),
                     heads,
-                    torch.arange(nbc, device=dev),
+                    torch.arange(chunks_per_cache_block, device=dev),
                     indexing="ij",
                 )
             )
-            ij = ia * nbc + ibc
-            kt, vt = kflat, vflat
+            item_chunk = item_cache_block * chunks_per_cache_block + item_chunk_in_cache_block
+            k_tiles, v_tiles = kflat, vflat
         else:
-            need = torch.arange(ncs, device=dev)[None, None, :] < bchunks[b0:b1, None, None]
-            ib, ih, ij = need.expand(nbg, hkv, ncs).nonzero(as_tuple=True)
-            ki = ((bseg[b0 + ib] * na + ij // nbc) * hkv + ih) * nbc + ij % nbc  # its tile
-            kt, vt = kflat.index_select(0, ki), vflat.index_select(0, ki)
-        qi = (b0 + ib) * hkv + ih  # item's query tile in qflat
-        rows = row_of[(b0 + ib)[:, None] * r + slots] - k0  # [N, R]: result row or < 0
+            need = (
+                torch.arange(n_chunks_used, device=dev)[None, None, :] < bchunks[b0:b1, None, None]
+            )
+            item_block, item_head, item_chunk = need.expand(
+                n_pass_blocks, hkv, n_chunks_used
+            ).nonzero(as_tuple=True)
+            # the item's key/value tile: [seq, cache block, head, chunk in cache block]
+            cache_block = item_chunk // chunks_per_cache_block
+            chunk_in_block = item_chunk % chunks_per_cache_block
+            seq_cache_block = block_seq[b0 + item_block] * n_cache_blocks + cache_block
+            kv_tile_index = (seq_cache_block * hkv + item_head) * chunks_per_cache_block
+            kv_tile_index = kv_tile_index + chunk_in_block
+            k_tiles, v_tiles = (
+                kflat.index_select(0, kv_tile_index),
+                vflat.index_select(0, kv_tile_index),
+            )
+        q_tile = (b0 + item_block) * hkv + item_head  # item's query tile in qflat
+        rows = row_of[(b0 + item_block)[:, None] * r + slots] - k0  # [N, R]: result row or < 0
         real = (rows >= 0).view(-1)
         # score row (result row, head, chunk) of each real (item, slot): whole-row copies
-        si = ((rows * hkv + ih[:, None]) * ncs + ij[:, None]).view(-1)[real]
-        sc = torch.bmm(qflat.index_select(0, qi), kt.transpose(1, 2))
-        s = torch.full(((k1 - k0) * hkv * ncs, c), float("-inf"), device=dev)
-        s.index_copy_(0, si, sc.view(-1, c)[real])
-        s = s.view(k1 - k0, hkv, ncs, c) * scale
-        s = s.masked_fill(kidx[:ncs] > rpos[k0:k1, None, None, None], float("-inf"))
+        score_row = ((rows * hkv + item_head[:, None]) * n_chunks_used + item_chunk[:, None]).view(
+            -1
+        )[real]
+        sc = torch.bmm(qflat.index_select(0, q_tile), k_tiles.transpose(1, 2))
+        s = torch.full(((k1 - k0) * hkv * n_chunks_used, c), float("-inf"), device=dev)
+        s.index_copy_(0, score_row, sc.view(-1, c)[real])
+        s = s.view(k1 - k0, hkv, n_chunks_used, c) * scale
+        s = s.masked_fill(kidx[:n_chunks_used] > rpos[k0:k1, None, None, None], float("-inf"))
         p = pw.exp(s - s.amax(dim=(2, 3), keepdim=True))  # exact row max over all keys
-        csum = p.sum(-1)  # [rows, Hkv, ncs]: fixed-width contiguous sums per chunk
+        csum = p.sum(-1)  # [rows, Hkv, n_chunks_used]: fixed-width contiguous sums per chunk
         l_ = csum[:, :, 0].clone()
-        for j in range(1, ncs):
+        for j in range(1, n_chunks_used):
             l_ += csum[:, :, j]
-        pb = torch.zeros(qi.shape[0] * r, c, device=dev)
-        pb[real] = p.view(-1, c).index_select(0, si)
-        pvi = torch.bmm(pb.view(-1, r, c), vt)  # [N, R, Dv]
-        pv = torch.zeros((k1 - k0) * hkv * ncs, dv, device=dev)
-        pv.index_copy_(0, si, pvi.view(-1, dv)[real])
-        pv = pv.view(k1 - k0, hkv, ncs, dv)
+        p_tiles = torch.zeros(q_tile.shape[0] * r, c, device=dev)
+        p_tiles[real] = p.view(-1, c).index_select(0, score_row)
+        pv_items = torch.bmm(p_tiles.view(-1, r, c), v_tiles)  # [N, R, Dv]
+        pv = torch.zeros((k1 - k0) * hkv * n_chunks_used, dv, device=dev)
+        pv.index_copy_(0, score_row, pv_items.view(-1, dv)[real])
+        pv = pv.view(k1 - k0, hkv, n_chunks_used, dv)
         acc = torch.zeros(k1 - k0, hkv, dv, device=dev)
-        for j in range(ncs):  # chunk order; a chunk a block does not need adds exact zeros
+        for j in range(
+            n_chunks_used
+        ):  # chunk order; a chunk a block does not need adds exact zeros
             acc += pv[:, :, j]
         out[k0:k1] = acc / l_[..., None]
     return out.reshape(t, g, hkv, dv).permute(0, 2, 1, 3).reshape(t, h, dv)
