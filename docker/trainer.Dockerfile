@@ -9,5 +9,6 @@ COPY packages/isoexec-megatron packages/isoexec-megatron
 # The `te` extra adds transformer-engine[pytorch] and triton; never vLLM.
 RUN pip install --no-cache-dir ./packages/isoexec-contract "./packages/isoexec-megatron[te]"
 
+# The one switch: build_model() reads it when `isoexec` is not passed (README, Options).
 ENV ISOEXEC=1
 CMD ["python", "-c", "import isoexec.megatron; print('isoexec-megatron trainer image ready')"]

@@ -248,6 +248,23 @@ def test_isoexec_build_is_tp1_only(parallel, qwen3_dir: Path) -> None:
     assert type(build_model(qwen3_dir, isoexec=True)).__name__ == "IsoGPTModel"
 
 
+def test_build_model_reads_the_isoexec_switch(
+    parallel, qwen3_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`isoexec=None` (the default) follows `ISOEXEC`, as the engine does; an explicit value
+    overrides it; an unrecognised value is refused, never read as 'off'."""
+    monkeypatch.setenv("ISOEXEC", "1")
+    assert type(build_model(qwen3_dir)).__name__ == "IsoGPTModel"
+    assert type(build_model(qwen3_dir, isoexec=False)).__name__ == "GPTModel"
+    monkeypatch.setenv("ISOEXEC", "0")
+    assert type(build_model(qwen3_dir)).__name__ == "GPTModel"
+    monkeypatch.delenv("ISOEXEC")
+    assert type(build_model(qwen3_dir)).__name__ == "GPTModel"
+    monkeypatch.setenv("ISOEXEC", "maybe")
+    with pytest.raises(ValueError, match="ISOEXEC='maybe'"):
+        build_model(qwen3_dir)
+
+
 def test_build_without_parallel_state_refused(qwen3_dir: Path) -> None:
     with pytest.raises(RuntimeError, match="megatron_parallel"):
         build_model(qwen3_dir)

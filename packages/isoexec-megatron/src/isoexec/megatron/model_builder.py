@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from isoexec.contract.options import IsoExecOptions
+from isoexec.contract.switch import isoexec_enabled
 from isoexec.megatron.hf_config import (
     HFConfigSource,
     ModelArch,
@@ -226,7 +227,7 @@ def _norms_to_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
 def build_model(
     hf_config: HFConfigSource | ModelArch,
     *,
-    isoexec: bool = False,
+    isoexec: bool | None = None,
     tp: int = 1,
     dtype: torch.dtype = torch.float32,
     options: IsoExecOptions | None = None,
@@ -239,9 +240,11 @@ def build_model(
     not cover every parameter), which at 35B widths saves most of the build time on a CPU.
 
     Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
-    must equal `tp`. `isoexec=True` installs the canonical submodules in every slot and then
-    reads every op site back: a site left native is an error (`SiteNotInstalledError`), never
-    a silent fallback.
+    must equal `tp`. `isoexec=None` (the default) reads the one switch, `ISOEXEC` (as the
+    engine does), so a trainer image that sets `ISOEXEC=1` builds canonical models; an explicit
+    `True`/`False` overrides it. `isoexec=True` installs the canonical submodules in every
+    slot and then reads every op site back: a site left native is an error
+    (`SiteNotInstalledError`), never a silent fallback.
 
     `options` (`IsoExecOptions`, the object the engine takes too) chooses canonical variants:
     `tp_invariant=True` runs the row-parallel sites (o_proj, down_proj) as the TP-invariant
@@ -254,6 +257,8 @@ def build_model(
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
 
+    if isoexec is None:
+        isoexec = isoexec_enabled()  # an unrecognised value raises, never a silent 'off'
     arch = hf_config if isinstance(hf_config, ModelArch) else load_hf_config(hf_config)
     if isoexec:
         sub = isoexec_submodules()
