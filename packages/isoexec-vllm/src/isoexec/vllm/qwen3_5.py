@@ -43,6 +43,7 @@ from torch import nn
 
 import vllm.model_executor.models.qwen3_next as qwen3_next
 from isoexec.vllm.layers import UnsupportedSiteError
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -177,8 +178,11 @@ class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
         self.post_attention_layernorm = GemmaRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
+# Compiled like vLLM's own models in its default mode (eager with `enforce_eager`); the
+# dynamic dimension is the token count. Explicit: this module's annotations are strings.
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": 0, "inputs_embeds": 0})
 class IsoQwen3_5Model(nn.Module):
-    """Embedding, the decoder layers and the final (zero-centred) norm; eager, one PP rank."""
+    """Embedding, the decoder layers and the final (zero-centred) norm; one PP rank."""
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
