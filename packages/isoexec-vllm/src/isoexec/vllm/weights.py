@@ -11,8 +11,8 @@ they are. Names are the checkpoint's: a vision-language checkpoint's text weight
 At TP>1 every worker gathers each sharded weight over the TP group first (a collective: all
 workers fingerprint together, as `collective_rpc` and the gated load do), by the layer's own
 sharding: column-parallel rows per part (q/k/v, gate/up), row-parallel columns, vocab rows,
-expert halves. GDN layers (their fused projections and conv shard per key-head group) are
-refused at TP>1, as are KV heads replicated across ranks: never a fingerprint of shards.
+expert halves, and a GDN layer's heads (`_whole_gdn`). KV heads replicated across ranks and
+any parameter whose sharding is not known here are refused: never a fingerprint of shards.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def _whole_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
         for name, param in model.named_parameters():
             yield name, param.detach()
         return
-    gdn = [p for p, m in model.named_modules() if hasattr(m, "gqa_interleaved_layout")]
+    gdn = {p: m for p, m in model.named_modules() if hasattr(m, "gqa_interleaved_layout")}
     seen: set[int] = set()
     for path, module in model.named_modules():
         for pname, param in module.named_parameters(recurse=False):
@@ -98,12 +98,39 @@ def _whole_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
                 continue
             seen.add(id(param))
             name = f"{path}.{pname}" if path else pname
-            if any(name.startswith(g + ".") for g in gdn):
-                raise UnsupportedWeightLayoutError(
-                    f"{name}: a GDN layer's weights at TP={tp} (sharded per key-head group) "
-                    "are not gathered for the fingerprint"
-                )
-            yield name, _whole(module, pname, param.detach(), tp)
+            if path in gdn or path.rsplit(".", 1)[0] in gdn:
+                yield name, _whole_gdn(gdn, path, module, pname, param.detach(), tp)
+            else:
+                yield name, _whole(module, pname, param.detach(), tp)
+
+
+def _whole_gdn(
+    gdn: dict[str, torch.nn.Module],
+    path: str,
+    module: torch.nn.Module,
+    pname: str,
+    t: torch.Tensor,
+    tp: int,
+) -> torch.Tensor:
+    """A GDN layer's parameter, whole. vLLM shards a GDN layer by heads: the per-value-head
+    `A_log` / `dt_bias` in contiguous blocks, the causal conv's channels per part
+    ([q | k | v], each part's rows split over the ranks), the fused input projections by
+    their output parts (Qwen3.5's four / two parts; Qwen3-Next's interleaved tensor is one
+    part whose rows are whole key-head groups per rank), out_proj by its input columns."""
+    from vllm.distributed import tensor_model_parallel_all_gather as all_gather
+
+    if path in gdn:  # the GDN layer's own parameters
+        if pname in ("A_log", "dt_bias"):
+            return all_gather(t.contiguous(), 0)
+        raise UnsupportedWeightLayoutError(f"{path}.{pname}: a GDN parameter not known here")
+    layer = gdn[path.rsplit(".", 1)[0]]
+    if path.endswith(".conv1d") and pname == "weight":  # [C/tp, 1, W] per part
+        key_dim, value_dim = int(layer.key_dim), int(layer.value_dim)  # type: ignore[arg-type]
+        sizes = [key_dim // tp, key_dim // tp, value_dim // tp]
+        return torch.cat([all_gather(x.contiguous(), 0) for x in t.split(sizes, dim=0)], 0)
+    if path.endswith(".conv1d"):
+        raise UnsupportedWeightLayoutError(f"{path}.{pname}: a GDN conv bias at TP={tp}")
+    return _whole(module, pname, t, tp)  # projections (column / row parallel), the norm
 
 
 def _whole(module: torch.nn.Module, pname: str, t: torch.Tensor, tp: int) -> torch.Tensor:
