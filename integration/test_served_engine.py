@@ -1,5 +1,6 @@
 """The served engine, as RL frameworks run it: `isoexec engine serve` (vLLM's own OpenAI server,
-default compiled mode), the real `openai` client, and the trainer scoring what it returned.
+default compiled mode), the real `openai` client, and the trainer scoring what it returned; the
+handshake at startup and the weight push without dev-mode endpoints.
 
 Concurrent requests (shared prefixes, a long prompt prefilled in 64-token chunks,
 temperatures 1.0 and 0.7, two samples per prompt) go to the server; the Megatron trainer scores
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -43,10 +45,12 @@ def _free_port() -> int:
 
 
 @contextmanager
-def served(model: str, *, stock: bool, log: Path) -> Iterator[str]:
+def served(
+    model: str, *, stock: bool, log: Path, launcher_args: tuple[str, ...] = ()
+) -> Iterator[str]:
     """`isoexec engine serve MODEL ...` in its own session; the base URL once healthy."""
     port = _free_port()
-    cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "engine", "serve"]
+    cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "engine", "serve", *launcher_args]
     cmd += ["--stock", model] if stock else [model]  # launcher flags before MODEL
     cmd += ["--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
             "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 2**20),
@@ -128,25 +132,97 @@ def _compare(trainer: Any, sampled: list[Any]) -> tuple[torch.Tensor, torch.Tens
     return torch.cat(train), torch.cat(eng)
 
 
-@pytest.mark.parametrize("stock", [False, True], ids=["isoexec", "stock"])
-def test_openai_client_against_served_engine(
-    stock: bool,
+def test_openai_client_against_stock_served_engine_differs(
     tmp_path: Path,
     model_factory: Callable[[str, str], str],
     trainer_factory: Callable[..., Any],
 ) -> None:
+    """Negative control: vLLM's server as upstream (`--stock`) against a stock trainer."""
     model = model_factory("tiny-dense", "float32")
+    prompts = _prompts(model)
+    with served(model, stock=True, log=tmp_path / "server.log") as url:
+        sampled = _sample(url, model, prompts)
+    train, eng = _compare(trainer_factory(model, "float32", isoexec=False), sampled)
+    assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
+    differ = int((train != eng).sum())
+    print(f"stock server vs stock trainer: {differ}/{train.numel()} logprobs differ")
+    assert differ > 0
+
+
+def _prompts(model: str) -> list[list[int]]:
     vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
     prompts = make_prompts(len(TEMPS), vocab, seed=7)
     assert max(map(len, prompts)) > 2 * 64  # one prompt is prefilled in several chunks
-    with served(model, stock=stock, log=tmp_path / "server.log") as url:
-        sampled = _sample(url, model, prompts)
-    trainer = trainer_factory(model, "float32", isoexec=not stock)
-    train, eng = _compare(trainer, sampled)
-    assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
-    if stock:
-        differ = int((train != eng).sum())
-        print(f"stock server vs stock trainer: {differ}/{train.numel()} logprobs differ")
-        assert differ > 0
-    else:
-        assert torch.equal(train, eng), (train - eng).abs().max()
+    return prompts
+
+
+def test_served_engine_handshake_weight_push_and_bitwise(
+    tmp_path: Path,
+    model_factory: Callable[[str, str], str],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """The served engine as an RL run uses it, no dev-mode endpoint anywhere: started with the
+    handshake settings, its worker offers its contract as soon as it has loaded the checkpoint;
+    the trainer offers its own and both get MATCH. The `openai` client's samples score
+    bitwise. Then one train step, and the trainer pushes its HF-named weights with their
+    fingerprint to the server (authenticated with the handshake token): a wrong token and a
+    fingerprint that does not match the bytes are refused and load nothing; the real push is
+    loaded by the worker (its fingerprint is the trainer's) and new samples score bitwise
+    against the trained trainer."""
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.contract.served import WeightPushError, push_weights, served_status
+    from isoexec.megatron import export_hf_weights, train_step, trainer_contract
+
+    model = model_factory("tiny-dense", "float32")
+    hf = json.loads((Path(model) / "config.json").read_text())
+    prompts = _prompts(model)
+    trainer = trainer_factory(model, "float32", isoexec=True, fresh=True)
+    token = secrets.token_hex(16)
+    token_file = tmp_path / "token"
+    token_file.write_text(token)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
+        args = ("--handshake-address", hs.address, "--handshake-token-file", str(token_file),
+                "--handshake-run-id", "served-run")  # fmt: skip
+        with served(model, stock=False, log=tmp_path / "server.log", launcher_args=args) as url:
+            with HandshakeClient(hs.address, token, timeout_s=120) as client:
+                verdict = client.offer("served-run", "trainer", 0,
+                                       trainer_contract(trainer, hf, "float32"))  # fmt: skip
+            assert verdict.matched, verdict
+            (status,) = _wait_cleared(url, token)
+            assert status["last_verdict"] == "MATCH" and status["gated_loads"] == 0
+
+            train, eng = _compare(trainer, _sample(url, model, prompts))
+            assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
+            assert torch.equal(train, eng), (train - eng).abs().max()
+
+            opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
+            train_step(trainer, opt, [p[:40] for p in prompts])
+            weights = dict(export_hf_weights(trainer))
+            sent = WeightFingerprint.of(weights).digest
+            with pytest.raises(WeightPushError, match="HTTP 401"):
+                push_weights(url, "not-the-token", weights)
+            with pytest.raises(WeightPushError, match=r"HTTP 409: .*corrupted or partial"):
+                push_weights(url, token, weights, fingerprint="0" * 64)
+            assert served_status(url, token)[0]["gated_loads"] == 0  # nothing loaded
+            assert push_weights(url, token, weights) == [sent]
+            (status,) = served_status(url, token)
+            assert status["gated_loads"] == 1 and status["last_fingerprint"] == sent
+
+            train, eng = _compare(trainer, _sample(url, model, prompts))
+            assert torch.equal(train, eng), (train - eng).abs().max()
+    assert "isoexec: engine rank 0: MATCH" in (tmp_path / "server.log").read_text()
+
+
+def _wait_cleared(url: str, token: str) -> list[dict[str, Any]]:
+    """The worker's gate state once its startup offer has its verdict (it arrives with the
+    trainer's offer; the worker's thread records it a moment later)."""
+    from isoexec.contract.served import served_status
+
+    deadline = time.monotonic() + 60
+    while True:
+        workers = served_status(url, token)
+        if all(w["last_verdict"] is not None for w in workers) or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.5)

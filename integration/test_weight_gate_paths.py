@@ -46,7 +46,8 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
         with pytest.raises(EngineError, match=f"{path}.*refused.*no MATCH|refused.*no MATCH"):
             call()
     (status,) = engine.call("collective_rpc", "isoexec_gate_status")
-    assert status == {"cleared": False, "gated_loads": 0, "last_fingerprint": None}
+    assert status == {"rank": 0, "cleared": False, "last_verdict": None, "gated_loads": 0,
+                      "last_fingerprint": None}  # fmt: skip
 
     trainer = trainer_factory(model, "float32")
     token = "t" * 32
@@ -58,7 +59,8 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
         assert engine.call("collective_rpc", framework_load_weights) == ["loaded"]
         (status,) = engine.call("collective_rpc", "isoexec_gate_status")
     held = WeightFingerprint.of(export_hf_weights(trainer)).digest
-    assert status == {"cleared": True, "gated_loads": 2, "last_fingerprint": held}
+    assert status == {"rank": 0, "cleared": True, "last_verdict": "MATCH", "gated_loads": 2,
+                      "last_fingerprint": held}  # fmt: skip
     # The service is gone: the MATCH can no longer be confirmed, so the gate refuses again.
     with pytest.raises(EngineError, match="refused"):
         engine.call("collective_rpc", framework_load_weights)

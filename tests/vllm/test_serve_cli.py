@@ -16,6 +16,7 @@ def test_server_command_sets_what_isoexec_needs_and_passes_the_rest() -> None:
                                options=IsoExecOptions(tp_invariant=True))  # fmt: skip
     assert argv[:5] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m"]
     flags = dict(zip(argv[5:-3:2], argv[6:-3:2], strict=True))
+    assert flags["--middleware"] == "isoexec.vllm.served_routes.isoexec_routes"
     assert flags["--worker-extension-cls"] == "isoexec.vllm.worker_extension.IsoWorkerExtension"
     assert flags["--logprobs-mode"] == "processed_logprobs"
     assert json.loads(flags["--additional-config"]) == {
@@ -51,3 +52,35 @@ def test_cli_refuses_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> Non
 
     assert main(["engine", "serve", "/m", "--logprobs-mode", "raw_logprobs"]) == 2
     assert "--logprobs-mode is set by" in capsys.readouterr().err
+
+
+def test_the_middleware_named_is_the_routes_function() -> None:
+    import importlib
+
+    from isoexec.vllm import served_routes
+    from isoexec.vllm.serve import MIDDLEWARE
+
+    module, name = MIDDLEWARE.rsplit(".", 1)
+    assert getattr(importlib.import_module(module), name) is served_routes.isoexec_routes
+
+
+def test_handshake_flags_reach_vllm_as_additional_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    from isoexec.contract.cli import main
+    from isoexec.contract.served import ServedHandshake
+
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    hs = ServedHandshake("127.0.0.1:7443", str(token), "run-1")
+    argv, _ = server_command("/m", [], handshake=hs)
+    extra = json.loads(argv[argv.index("--additional-config") + 1])
+    assert extra["isoexec_handshake"] == {"address": "127.0.0.1:7443", "token_file": str(token),
+                                          "run_id": "run-1", "timeout_s": 3600.0}  # fmt: skip
+    assert ServedHandshake.from_mapping(extra["isoexec_handshake"]).token() == "s3cret"
+    with pytest.raises(ServeArgsError, match="not with --stock"):
+        server_command("/m", [], isoexec=False, handshake=hs)
+    # The CLI refuses an incomplete set, and a token file that is missing, before vLLM starts.
+    assert main(["engine", "serve", "--handshake-address", "h:1", "/m"]) == 2
+    assert "--handshake-token-file, --handshake-run-id too" in capsys.readouterr().err
+    assert main(["engine", "serve", "--handshake-address", "h:1", "--handshake-token-file",
+                 str(tmp_path / "nope"), "--handshake-run-id", "r", "/m"]) == 2  # fmt: skip
+    assert "handshake token file" in capsys.readouterr().err

@@ -43,6 +43,16 @@ def canonical_logprobs(
     return out
 
 
+_BUILT: IsoSampler | None = None
+
+
+def built_sampler() -> IsoSampler:
+    """The sampler this worker's model runner built (the contract's logprobs site)."""
+    if _BUILT is None:
+        raise UnsupportedSiteError("no IsoExec sampler was built in this worker process")
+    return _BUILT
+
+
 class IsoSampler(Sampler):
     isoexec_impl: ImplInfo
 
@@ -61,6 +71,8 @@ class IsoSampler(Sampler):
                 f"IsoExec options say {wanted!r}: set both (the trainer takes the options)"
             )
         self.isoexec_impl = engine_impl("logprobs", mode=self.logprobs_mode)
+        global _BUILT
+        _BUILT = self  # the runner builds one per worker process, before the model loads
 
     def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Raw (T=1) logprobs, used by vLLM for prompt logprobs (through `self.sampler`)."""

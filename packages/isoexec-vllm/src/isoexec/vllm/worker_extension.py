@@ -15,7 +15,6 @@ from typing import Any
 import torch
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.model_contract import contract_for
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm import weight_gate
 from isoexec.vllm.readback import read_sites
@@ -48,20 +47,10 @@ class IsoWorkerExtension:
 
     def isoexec_contract(self) -> bytes:
         """This worker's contract (canonical bytes), read back from the live model."""
-        from vllm.distributed import get_tensor_model_parallel_world_size
+        from isoexec.vllm.engine_contract import worker_contract
 
-        hf = self._isoexec_hf_config()
-        sites = self._isoexec_read_sites()
-        # The TP degree this worker runs at: a site that does not claim TP invariance (a
-        # row-parallel site reduced by vLLM's all-reduce) records it, so it never MATCHes a
-        # peer at another degree.
-        tp = get_tensor_model_parallel_world_size()
-        par = self.vllm_config.parallel_config  # PP/DP/EP > 1 are refused at construction
-        ep = tp * par.data_parallel_size if par.enable_expert_parallel else 1
-        return contract_for(
-            hf, self._isoexec_dtype(), sites, tp_size=tp,
-            pp_size=par.pipeline_parallel_size, ep_size=ep, dp_size=par.data_parallel_size,
-        ).to_bytes()  # fmt: skip
+        runner = self.model_runner
+        return worker_contract(runner.model, runner.sampler, self.vllm_config).to_bytes()
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(
@@ -84,6 +73,7 @@ class IsoWorkerExtension:
         weight_gate.revoke()  # no weights while this offer is open or if it does not MATCH
         with HandshakeClient(address, token, timeout_s=timeout_s, tls=client_tls) as client:
             verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract())
+        weight_gate.STATE.last_verdict = verdict.outcome
         if verdict.matched:
             weight_gate.grant(weight_gate.Clearance(address, token, run_id, rank, client_tls))
         return {
@@ -116,11 +106,14 @@ class IsoWorkerExtension:
         return self.isoexec_weight_fingerprint()
 
     def isoexec_gate_status(self) -> dict[str, Any]:
-        """Whether this worker is cleared, how many gated loads it took, and the fingerprint
-        recorded after the last one."""
+        """Whether this worker is cleared, the verdict of its last offer (at startup for a
+        served engine, or through `isoexec_handshake`), how many gated loads it took, and the
+        fingerprint recorded after the last one."""
         st = weight_gate.STATE
         return {
+            "rank": int(getattr(self, "rank", 0)),
             "cleared": st.clearance is not None,
+            "last_verdict": st.last_verdict,
             "gated_loads": st.gated_loads,
             "last_fingerprint": st.last_fingerprint,
         }

@@ -1,0 +1,157 @@
+"""A served engine (vLLM's OpenAI server) and the trainer: handshake and weight push, no
+dev-mode endpoints.
+
+- **Handshake at startup.** The engine is given where to offer (`ServedHandshake`: the
+  service's address, a token file, a run id, optional TLS) through vLLM's own
+  `additional_config[HANDSHAKE_CONFIG_KEY]` (`isoexec engine serve --handshake-*` sets it).
+  Each worker offers its contract as soon as it has loaded its checkpoint (and so again after
+  a restart) and is cleared for weights only on MATCH. These settings say where to meet, not
+  what runs, so they are not in the contract.
+- **Weight push.** `push_weights` sends HF-named tensors and their fingerprint to the server's
+  `WEIGHTS_ROUTE`, authenticated with the same token; every worker checks the fingerprint and
+  its MATCH (the weight gate) before loading, between engine steps. `served_status` reads each
+  worker's gate state. The routes are served by `isoexec.vllm.served_routes` (vLLM's
+  `--middleware` extension point).
+
+Framework-free: a trainer node imports this without vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+HANDSHAKE_CONFIG_KEY = "isoexec_handshake"
+WEIGHTS_ROUTE = "/isoexec/weights"
+STATUS_ROUTE = "/isoexec/status"
+FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
+DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its trainer
+
+
+class ServedHandshakeError(ValueError):
+    """Malformed handshake settings for a served engine."""
+
+
+class WeightPushError(RuntimeError):
+    """The served engine refused pushed weights (or could not be reached); nothing loaded."""
+
+
+@dataclass(frozen=True)
+class ServedHandshake:
+    address: str
+    token_file: str
+    run_id: str
+    tls_ca: str | None = None
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    timeout_s: float = DEFAULT_OFFER_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        for name in ("address", "token_file", "run_id"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise ServedHandshakeError(f"handshake {name} must be a non-empty string")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ServedHandshakeError("a TLS client certificate needs its key, and a key its cert")
+        if self.tls_cert is not None and self.tls_ca is None:
+            raise ServedHandshakeError("a TLS client certificate needs tls_ca")
+
+    @classmethod
+    def from_mapping(cls, m: Mapping[str, Any]) -> ServedHandshake:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(m) - known)
+        if unknown:
+            raise ServedHandshakeError(
+                f"unknown handshake setting(s) {unknown}; known: {sorted(known)}"
+            )
+        missing = sorted({"address", "token_file", "run_id"} - set(m))
+        if missing:
+            raise ServedHandshakeError(f"handshake settings lack {missing}")
+        return cls(**dict(m))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    def token(self) -> str:
+        """The shared token, read from its file (refused when missing or empty)."""
+        path = Path(self.token_file)
+        try:
+            token = path.read_text().strip()
+        except OSError as e:
+            raise ServedHandshakeError(f"handshake token file {path}: {e.strerror}") from None
+        if not token:
+            raise ServedHandshakeError(f"handshake token file {path} is empty")
+        return token
+
+    def tls(self) -> dict[str, str | None] | None:
+        """`ClientTLS` fields, or None for a plaintext (loopback) service."""
+        if self.tls_ca is None:
+            return None
+        return {"ca": self.tls_ca, "cert": self.tls_cert, "key": self.tls_key}
+
+
+def push_weights(
+    base_url: str,
+    token: str,
+    tensors: Mapping[str, Any],
+    *,
+    fingerprint: str | None = None,
+    timeout_s: float = 600.0,
+) -> list[str]:
+    """Send HF-named `tensors` to a served engine; return each worker's fingerprint of the
+    weights it then holds (all equal to the sent one). Raises `WeightPushError` with the
+    server's reason when it refuses (wrong token, no MATCH, a fingerprint that does not match
+    the bytes): nothing is loaded then."""
+    from safetensors.torch import save
+
+    from isoexec.contract.fingerprint import WeightFingerprint
+
+    body = save({k: v.contiguous() for k, v in tensors.items()})
+    sent = fingerprint or WeightFingerprint.of(tensors).digest
+    headers = {FINGERPRINT_HEADER: sent, "Content-Type": "application/octet-stream"}
+    reply = _request(base_url + WEIGHTS_ROUTE, token, body, headers, timeout_s)
+    return [str(f) for f in reply["fingerprints"]]
+
+
+def served_status(base_url: str, token: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """Each worker's gate state: cleared, last verdict, gated loads, last fingerprint."""
+    return list(_request(base_url + STATUS_ROUTE, token, None, {}, timeout_s)["workers"])
+
+
+def _request(
+    url: str, token: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+) -> dict[str, Any]:
+    req = urllib.request.Request(
+        url, data=body, method="POST" if body is not None else "GET",
+        headers={**headers, "Authorization": f"Bearer {token}"},
+    )  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return dict(json.loads(r.read()))
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")
+        try:
+            detail = json.loads(detail)["error"]
+        except (ValueError, KeyError, TypeError):
+            pass
+        raise WeightPushError(f"{url}: HTTP {e.code}: {detail}") from None
+    except urllib.error.URLError as e:
+        raise WeightPushError(f"{url}: {e.reason}") from None
+
+
+__all__ = [
+    "FINGERPRINT_HEADER",
+    "HANDSHAKE_CONFIG_KEY",
+    "STATUS_ROUTE",
+    "WEIGHTS_ROUTE",
+    "ServedHandshake",
+    "ServedHandshakeError",
+    "WeightPushError",
+    "push_weights",
+    "served_status",
+]

@@ -1,0 +1,80 @@
+"""A served worker offers its contract as soon as it has loaded its checkpoint.
+
+Given `additional_config[HANDSHAKE_CONFIG_KEY]` (`isoexec.contract.served.ServedHandshake`),
+the gated model's first `load_weights` (the checkpoint the engine starts from; again in a
+restarted worker) calls `offer_when_loaded`: the settings and the token file are checked there
+(a malformed setting stops the engine from starting, loudly), and a background thread reads the
+worker's contract back and offers it, so the engine finishes starting while the service waits
+for the trainer. The worker is cleared for weights only on MATCH (`weight_gate`); the verdict
+is logged and kept for `isoexec_gate_status`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
+from isoexec.vllm import weight_gate
+
+# Under vLLM's logger, so the verdict shows in the server's own log with vLLM's format.
+log = logging.getLogger("vllm.isoexec.served_handshake")
+ENGINE_SIDE = "engine"
+
+
+def served_handshake(vllm_config: Any) -> ServedHandshake | None:
+    """The handshake settings the engine was started with, or None (offer on request only)."""
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    raw = extra.get(HANDSHAKE_CONFIG_KEY)
+    return None if raw is None else ServedHandshake.from_mapping(raw)
+
+
+def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thread | None:
+    """Start this worker's offer (if the engine was given a handshake); returns its thread."""
+    from isoexec.vllm.engine_contract import worker_contract
+    from isoexec.vllm.sampler import built_sampler
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    settings = served_handshake(vllm_config)
+    if settings is None:
+        return None
+    token = settings.token()  # refused now (engine start fails) if missing or empty
+    rank = get_tensor_model_parallel_rank()
+    contract = worker_contract(model, built_sampler(), vllm_config)
+    weight_gate.revoke()
+    thread = threading.Thread(target=_offer, args=(settings, token, rank, contract),
+                              name="isoexec-offer", daemon=True)  # fmt: skip
+    thread.start()
+    log.info("isoexec: engine rank %d offers contract %s to %s (run %s)", rank,
+             contract.hash[:12], settings.address, settings.run_id)  # fmt: skip
+    return thread
+
+
+def _offer(settings: ServedHandshake, token: str, rank: int, contract: Any) -> None:
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.tls import ClientTLS
+
+    tls = ClientTLS(**settings.tls()) if settings.tls() else None  # type: ignore[arg-type]
+    try:
+        with HandshakeClient(settings.address, token, timeout_s=settings.timeout_s,
+                             tls=tls) as client:  # fmt: skip
+            verdict = client.offer(settings.run_id, ENGINE_SIDE, rank, contract)
+    except Exception as e:  # the worker keeps serving, uncleared: no weights can be pushed
+        weight_gate.STATE.last_verdict = f"ERROR: {e}"
+        log.error("isoexec: engine rank %d: the handshake failed: %s", rank, e)
+        return
+    weight_gate.STATE.last_verdict = verdict.outcome
+    if verdict.matched:
+        weight_gate.grant(
+            weight_gate.Clearance(settings.address, token, settings.run_id, rank, tls)
+        )
+        log.info("isoexec: engine rank %d: MATCH %s", rank, verdict.contract_hash[:12])
+    else:
+        log.error("isoexec: engine rank %d: %s, no weights will be accepted:\n%s", rank,
+                  verdict.outcome, "\n".join(verdict.diff))  # fmt: skip
+
+
+__all__ = ["offer_when_loaded", "served_handshake"]
