@@ -1,6 +1,8 @@
 """Run vLLM's AsyncLLM (the engine RL frameworks embed) with IsoExec, as such a framework would:
-started with `ISOEXEC=1` and the worker extension, in vLLM's default compiled mode; every
-worker offers its contract through `collective_rpc`, then concurrent requests are generated.
+started with `ISOEXEC=1`, the worker extension and the handshake settings in
+`additional_config` (as `isoexec engine serve --handshake-*` passes them), in vLLM's default
+compiled mode: every worker offers its contract as soon as it has loaded the checkpoint; once
+the verdict is in (the trainer offers meanwhile), concurrent requests are generated.
 
 `python _async_engine_job.py JOB_JSON OUT_JSON`; JOB: model, dtype, handshake {address,
 token_file, run_id}, prompts, temps, n, max_tokens. OUT: verdicts and, per request, the
@@ -23,21 +25,22 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY
+    from isoexec.contract.served import HANDSHAKE_CONFIG_KEY
 
     args = AsyncEngineArgs(
         model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=512,
         enable_prefix_caching=True, max_num_batched_tokens=64, enable_chunked_prefill=True,
         logprobs_mode="processed_logprobs", kv_cache_memory_bytes=128 * 2**20, seed=0,
         worker_extension_cls="isoexec.vllm.worker_extension.IsoWorkerExtension",
-        additional_config={VLLM_ADDITIONAL_CONFIG_KEY: {}},
+        additional_config={VLLM_ADDITIONAL_CONFIG_KEY: {}, HANDSHAKE_CONFIG_KEY: job["handshake"]},
     )  # fmt: skip
     engine = AsyncLLM.from_engine_args(args)
     try:
-        hs = job["handshake"]
-        token = Path(hs["token_file"]).read_text().strip()
-        verdicts = await engine.collective_rpc(
-            "isoexec_handshake", args=(hs["address"], token, hs["run_id"])
-        )
+        for _ in range(600):  # the workers offered at load; their verdicts come with the trainer's
+            verdicts = await engine.collective_rpc("isoexec_gate_status")
+            if all(v["last_verdict"] is not None for v in verdicts):
+                break
+            await asyncio.sleep(0.5)
 
         async def one(i: int) -> list[tuple[list[int], list[float]]]:
             params = SamplingParams(temperature=job["temps"][i], max_tokens=job["max_tokens"],
@@ -55,7 +58,8 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
             ]  # fmt: skip
 
         samples = await asyncio.gather(*(one(i) for i in range(len(job["prompts"]))))
-        return {"verdicts": verdicts, "samples": samples}
+        return {"verdicts": [{"outcome": v["last_verdict"]} for v in verdicts],
+                "samples": samples}  # fmt: skip
     finally:
         engine.shutdown()
 

@@ -1,8 +1,8 @@
 """AsyncLLM, the engine RL frameworks embed: IsoExec installed by `ISOEXEC=1`, vLLM's default
-compiled mode, every worker's contract offered through `collective_rpc` (MATCH with the
-trainer), concurrent requests with n=2 at temperatures 1.0 and 0.7, and every sampled token's
-logprob bitwise the trainer's. The AsyncLLM runs in its own process group, killed whatever
-happens (`_async_engine_job.py`)."""
+compiled mode, the handshake settings in vLLM's `additional_config`, so every worker offers its
+contract as soon as it has loaded the checkpoint (MATCH with the trainer); concurrent requests
+with n=2 at temperatures 1.0 and 0.7, and every sampled token's logprob bitwise the trainer's.
+The AsyncLLM runs in its own process group, killed whatever happens (`_async_engine_job.py`)."""
 
 from __future__ import annotations
 
