@@ -40,14 +40,22 @@ NARROW_K = {"num_attention_heads": 2, "num_key_value_heads": 2, "intermediate_si
 # (preset, dtype): Qwen3 dense and MoE, and the GDN hybrids. The MoE engine gathers each
 # expert (and the shared expert) whole on every rank (vLLM shards them over TP), as the trainer
 # holds them at every TP; GDN heads are per-head ops on each rank's heads, out_proj linear_tp.
-CASES = (
+# CI runs one cell per family (dense, MoE, and Qwen3.5 text for the GDN layers); the other
+# cells of the matrix carry the `matrix` marker (not in the default run, to keep CI within its
+# time budget): `pytest integration/test_engine_tp.py -m matrix` runs them (README).
+CI_CASES = (
     ("tiny-dense", "float32"),
-    ("tiny-dense", "bfloat16"),
     ("tiny-moe", "float32"),
+    ("tiny-qwen35", "float32"),  # Qwen3.5 text: flat GDN projections, gated attention
+)
+MATRIX_CASES = (
+    ("tiny-dense", "bfloat16"),
     ("tiny-moe", "bfloat16"),
     ("tiny-gdn", "float32"),  # Qwen3-Next: GDN layers, gated attention, MoE + shared expert
-    ("tiny-qwen35", "float32"),  # Qwen3.5 text: flat GDN projections
 )
+CASES = [pytest.param(*c, id="-".join(c)) for c in CI_CASES] + [
+    pytest.param(*c, id="-".join(c), marks=pytest.mark.matrix) for c in MATRIX_CASES
+]
 DENSE32 = ("tiny-dense", "float32")
 CHUNK = 64
 TEMPS = [1.0, 0.7, 1.0, 0.7]
@@ -61,7 +69,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], st
         (preset, dtype): str(
             make_tiny_model(preset, root / f"{preset}-{dtype}", dtype=dtype, overrides=NARROW_K)
         )
-        for preset, dtype in CASES
+        for preset, dtype in CI_CASES + MATRIX_CASES
     }
 
 
@@ -80,18 +88,43 @@ def tp_run(
     engine_pool: Callable[..., Any],
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
 ) -> dict[str, Any]:
+    return _tp_run(CI_CASES, models, engine_pool, run_tp_jobs)
+
+
+@pytest.fixture(scope="module")
+def tp_run_matrix(
+    models: dict[tuple[str, str], str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+) -> dict[str, Any]:
+    return _tp_run(MATRIX_CASES, models, engine_pool, run_tp_jobs)
+
+
+def _run_of(request: pytest.FixtureRequest, preset: str, dtype: str) -> dict[str, Any]:
+    matrix = (preset, dtype) in MATRIX_CASES
+    name = "tp_run_matrix" if matrix else "tp_run"
+    return request.getfixturevalue(name)  # type: ignore[no-any-return]
+
+
+def _tp_run(
+    cases_run: tuple[tuple[str, str], ...],
+    all_models: dict[tuple[str, str], str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+) -> dict[str, Any]:
     """The trainer contracts first (one torchrun launch: TP=1 and TP=2 per case, plus the
     default-options TP=1 contract for the fail-closed check); then each case's TP=2 engine,
     started once: the handshake against both trainer contracts, its samples, its weight
     fingerprint; then one torchrun launch scores every sample at TP=1 and TP=2."""
+    models = {case: all_models[case] for case in cases_run}
     opts = TP_INVARIANT.to_dict()
     contract_jobs = [
         {"model": model, "dtype": dtype, "tp": tp, "isoexec": True, "options": opts,
          "contract": True, "seqs": [[1, 2, 3]]}
         for (_, dtype), model in models.items() for tp in (1, 2)
     ]  # fmt: skip
-    contract_jobs.append({"model": models[DENSE32], "dtype": "float32", "tp": 1, "isoexec": True,
-                          "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
+    contract_jobs.append({"model": all_models[DENSE32], "dtype": "float32", "tp": 1,
+                          "isoexec": True, "contract": True, "seqs": [[1, 2, 3]]})  # fmt: skip
     contracts = [Contract.from_bytes(r["contract"]) for r in run_tp_jobs(contract_jobs, [])]
     cases: dict[tuple[str, str], dict[str, Any]] = {}
     jobs: list[dict[str, Any]] = []
@@ -127,9 +160,10 @@ def test_tp2_engine_matches_and_equals_trainer_bitwise(
     preset: str,
     dtype: str,
     trainer_tp: int,
-    tp_run: dict[str, Any],
+    request: pytest.FixtureRequest,
     models: dict[tuple[str, str], str],
 ) -> None:
+    tp_run = _run_of(request, preset, dtype)
     case = tp_run["cases"][preset, dtype]
     contract = case["contracts"][trainer_tp - 1]
     assert {s.tp for s in contract.sites} == {"invariant"}
@@ -146,7 +180,7 @@ def test_tp2_engine_matches_and_equals_trainer_bitwise(
 
 @pytest.mark.parametrize(("preset", "dtype"), CASES)
 def test_tp2_engine_weight_fingerprint_is_the_checkpoints(
-    preset: str, dtype: str, tp_run: dict[str, Any], models: dict[tuple[str, str], str]
+    preset: str, dtype: str, request: pytest.FixtureRequest, models: dict[tuple[str, str], str]
 ) -> None:
     """Each worker of a TP=2 engine gathers its sharded weights over the TP group and hashes
     the whole checkpoint-named tensors: the checkpoint's own fingerprint, on both workers
@@ -156,7 +190,7 @@ def test_tp2_engine_weight_fingerprint_is_the_checkpoints(
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.megatron.hf_checkpoint import read_hf_state_dict
 
-    got = tp_run["cases"][preset, dtype]["fingerprint"]
+    got = _run_of(request, preset, dtype)["cases"][preset, dtype]["fingerprint"]
     expected = WeightFingerprint.of(read_hf_state_dict(models[preset, dtype])).digest
     assert got == [expected, expected]
 
@@ -252,19 +286,20 @@ def test_every_rank_of_both_sides_offers_and_one_verdict_covers_the_run(
 def test_pair_checks_a_layout_in_one_command(tmp_path: Path) -> None:
     """`isoexec pair --engine-tp 2 --trainer-tp 2`: vLLM's executor at TP=2, a torchrun trainer
     at TP=2 whose ranks each offer their contract; MATCH and every sampled token bitwise (exit
-    0). The stock arm of the same command is not bitwise (the comparison can fail)."""
+    0). The isoexec arm only, two engine starts less: that a stock engine at TP=2 differs is
+    `test_negative_control_stock_engine_tp2_differs_from_tp1`, and that a pair stock arm's
+    comparison fails is shown by the pair runs of integration/test_qwen35_release_pair.py."""
     import json
 
     from isoexec.contract.cli import main
 
     out = tmp_path / "pair"
-    args = ["pair", "--preset", "tiny-moe", "--engine-tp", "2", "--trainer-tp", "2",
-            "--num-prompts", "4", "--max-tokens", "6", "--out", str(out)]  # fmt: skip
+    args = ["pair", "--preset", "tiny-moe", "--engine-tp", "2", "--trainer-tp", "2", "--arms",
+            "isoexec", "--num-prompts", "4", "--max-tokens", "6", "--out", str(out)]  # fmt: skip
     assert main(args) == 0
-    arms = {r["arm"]: r for r in json.loads((out / "results.json").read_text())["arms"]}
-    assert arms["isoexec"]["handshake"].startswith("MATCH")
-    assert arms["isoexec"]["bitwise_equal"] == arms["isoexec"]["tokens"] == 24
-    assert arms["stock"]["bitwise_equal"] < arms["stock"]["tokens"]
+    (arm,) = json.loads((out / "results.json").read_text())["arms"]
+    assert arm["handshake"].startswith("MATCH")
+    assert arm["bitwise_equal"] == arm["tokens"] == 24
 
 
 def test_pair_with_a_pipelined_trainer(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ trainer with one deliberately changed site is refused by the handshake.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,12 @@ pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 CHUNK = 64
 TEMPS = [1.0, 0.7, 1.0, 0.7, 1.0, 0.7]
+
+
+# vLLM's `support_torch_compile` wrapper on the inner model: off in eager mode, else it sets
+# `compiled` once it has compiled the forward.
+_DO_NOT_COMPILE = operator.attrgetter("model_runner.model.model.do_not_compile")
+_COMPILED = operator.attrgetter("model_runner.model.model.compiled")
 
 
 def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, isoexec: bool) -> Any:
@@ -52,6 +59,8 @@ def test_trainer_equals_engine_bitwise(
 ) -> None:
     model_dir = model_factory(preset, dtype)
     engine = _engine(engine_pool, model_dir, dtype, True)
+    # vLLM's default mode: its torch.compile wrapper is on (IsoExec's own Qwen3.5 class too)
+    assert engine.call("collective_rpc", _DO_NOT_COMPILE) == [False]
     trainer = trainer_factory(model_dir, dtype)
     contract = trainer_contract(trainer, _hf(model_dir), dtype)
     _contracts_match(contract, engine, f"{preset}-{dtype}")
@@ -61,6 +70,7 @@ def test_trainer_equals_engine_bitwise(
     train, eng = sample_and_score(engine, trainer, prompts, TEMPS, max_tokens=6)
     assert train.numel() == 6 * len(prompts)
     assert torch.equal(train, eng), (train - eng).abs().max()
+    assert engine.call("collective_rpc", _COMPILED) == [True]  # it ran the compiled graph
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

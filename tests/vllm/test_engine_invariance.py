@@ -40,12 +40,15 @@ def test_isoexec_engine_is_bitwise_invariant(
 def test_negative_control_stock_engine_differs(
     engine_pool: Callable[..., Any], model_factory: Callable[[str, str], str]
 ) -> None:
-    """Stock vLLM, same checks, wide bf16 model: some situation changes bits; IsoExec none."""
+    """Stock vLLM, same checks, wide bf16 model: some situation changes bits; IsoExec none (its
+    chunked-prefill situation on this model is left out, one engine start less: chunked
+    prefill is checked on every family by the tests above and in their own files)."""
     model = model_factory("wide-dense", "bfloat16")
     stock = differences(observations(engine_pool, model, "bfloat16", 1024, isoexec=False))
     print("stock engine mismatches per situation:", stock)
     assert sum(stock.values()) > 0, stock
-    iso = differences(observations(engine_pool, model, "bfloat16", 1024, isoexec=True))
+    iso = differences(observations(engine_pool, model, "bfloat16", 1024, isoexec=True,
+                                   chunked_prefill=False))  # fmt: skip
     print("isoexec engine mismatches per situation:", iso)
     assert sum(iso.values()) == 0, iso
 

@@ -60,7 +60,9 @@ def test_isoexec_multiprocess_engine_matches_in_process(
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
     spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
     inproc = engine_pool(model=tiny_dense_dir, isoexec=True)
-    mp_cfg = EngineConfig(model=tiny_dense_dir, isoexec=True, multiprocessing=True)
+    # eager (no compile: one minute less here); compiled == eager is tests/test_compiled_engine
+    mp_cfg = EngineConfig(model=tiny_dense_dir, isoexec=True, multiprocessing=True,
+                          enforce_eager=True)  # fmt: skip
     with EngineProcess(mp_cfg) as mp:
         contract = Contract.from_bytes(mp.call("contract"))
         got = [o.prompt_logprobs for o in mp.generate(prompts, spec)]
