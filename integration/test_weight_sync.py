@@ -1,4 +1,5 @@
-"""Weight sync through the handshake gate, and an engine restart that must re-handshake.
+"""Weight sync through the handshake gate, and an engine restart that must re-handshake (on
+request, or by itself at startup when given the handshake settings).
 
 One optimizer step on the trainer → export (HF names) → fingerprint → the engine loads only
 after MATCH and only if what arrived hashes to the trainer's fingerprint → both sides hold the
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.pair import handshake, make_prompts, sample_and_score
+from isoexec.contract.served import ServedHandshake
 from isoexec.megatron import export_hf_weights, save_hf_safetensors, train_step, trainer_contract
 from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess
 
@@ -84,3 +87,22 @@ def test_weight_sync_restart_and_partial_transfer(
             assert torch.equal(train, eng)
         finally:
             restarted.close()
+
+        # A restart given the handshake settings (as `isoexec engine serve --handshake-*` and an
+        # embedded AsyncLLM get them) offers by itself as soon as it has loaded the checkpoint:
+        # it is cleared with no call from us, and takes the weights.
+        token_file = tmp_path / "token"
+        token_file.write_text(token)
+        settings = ServedHandshake(server.address, str(token_file), "sync")
+        served = EngineProcess(EngineConfig(model=model_dir, isoexec=True, enforce_eager=True,
+                                            handshake=settings))  # fmt: skip
+        try:
+            deadline = time.monotonic() + 60
+            while (status := served.call("collective_rpc", "isoexec_gate_status")[0])[
+                "last_verdict"
+            ] is None and time.monotonic() < deadline:
+                time.sleep(0.5)
+            assert status["last_verdict"] == "MATCH" and status["cleared"], status
+            assert served.call("load_weights", str(path), sent) == [sent]
+        finally:
+            served.close()

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
 
 _LIVE_GROUPS: set[int] = set()
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
@@ -55,6 +56,9 @@ class EngineConfig:
     log_file: str | None = None
     # Which canonical variants run (isoexec only); reaches the workers as additional_config.
     options: IsoExecOptions = field(default_factory=IsoExecOptions)
+    # Where each worker offers its contract as soon as it has loaded the checkpoint (isoexec
+    # only; as `isoexec engine serve --handshake-*`); None: offer on request (`handshake`).
+    handshake: ServedHandshake | None = None
     # vLLM's own tensor parallelism: its multiprocess executor, one worker per rank (gloo on
     # CPU), each bound to its share of this process's CPUs (`cpu_binding`).
     tensor_parallel_size: int = 1
@@ -247,9 +251,12 @@ class _Handler:
             "kv_cache_memory_bytes": config.kv_cache_bytes,
         }
         if config.isoexec:
-            kwargs["additional_config"] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
-        elif config.options != IsoExecOptions():
-            raise ValueError("IsoExec options without isoexec=True would be silently unused")
+            extra: dict[str, Any] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
+            if config.handshake is not None:
+                extra[HANDSHAKE_CONFIG_KEY] = config.handshake.to_dict()
+            kwargs["additional_config"] = extra
+        elif config.options != IsoExecOptions() or config.handshake is not None:
+            raise ValueError("IsoExec options or handshake without isoexec=True: silently unused")
         if config.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = config.tensor_parallel_size
             kwargs["distributed_executor_backend"] = "mp"
