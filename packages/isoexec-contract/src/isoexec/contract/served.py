@@ -23,8 +23,10 @@ import urllib.error
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from isoexec.contract.handshake.tls import ClientTLS
 
 HANDSHAKE_CONFIG_KEY = "isoexec_handshake"
 WEIGHTS_ROUTE = "/isoexec/weights"
@@ -79,20 +81,23 @@ class ServedHandshake:
 
     def token(self) -> str:
         """The shared token, read from its file (refused when missing or empty)."""
-        path = Path(self.token_file)
-        try:
-            token = path.read_text().strip()
-        except OSError as e:
-            raise ServedHandshakeError(f"handshake token file {path}: {e.strerror}") from None
-        if not token:
-            raise ServedHandshakeError(f"handshake token file {path} is empty")
-        return token
+        from isoexec.contract.handshake.token import TokenFileError, read_token_file
 
-    def tls(self) -> dict[str, str | None] | None:
-        """`ClientTLS` fields, or None for a plaintext (loopback) service."""
+        try:
+            return read_token_file(self.token_file)
+        except TokenFileError as e:
+            raise ServedHandshakeError(f"handshake token file: {e}") from None
+
+    def client_tls(self) -> ClientTLS | None:
+        """How to reach a TLS handshake service; None for a plaintext (loopback) one."""
+        from isoexec.contract.handshake.tls import ClientTLS, TLSConfigError
+
         if self.tls_ca is None:
             return None
-        return {"ca": self.tls_ca, "cert": self.tls_cert, "key": self.tls_key}
+        try:
+            return ClientTLS(self.tls_ca, self.tls_cert, self.tls_key)
+        except TLSConfigError as e:
+            raise ServedHandshakeError(f"handshake TLS: {e}") from None
 
 
 def push_weights(

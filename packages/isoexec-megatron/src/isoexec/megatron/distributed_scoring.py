@@ -65,8 +65,9 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
 
             contract = trainer_contract(model, job["model"], job["dtype"])
             from isoexec.contract.handshake.tls import ClientTLS
+            from isoexec.contract.handshake.token import read_token_file
 
-            token = Path(hs["token_file"]).read_text().strip()
+            token = read_token_file(hs["token_file"])
             tls = ClientTLS(**hs["tls"]) if hs.get("tls") else None
             with HandshakeClient(hs["address"], token, tls=tls) as client:
                 v = client.offer(hs["run_id"], "trainer", dist.get_rank(), contract)

@@ -55,9 +55,8 @@ def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thr
 
 def _offer(settings: ServedHandshake, token: str, rank: int, contract: Any) -> None:
     from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.tls import ClientTLS
 
-    tls = ClientTLS(**settings.tls()) if settings.tls() else None  # type: ignore[arg-type]
+    tls = settings.client_tls()
     try:
         with HandshakeClient(settings.address, token, timeout_s=settings.timeout_s,
                              tls=tls) as client:  # fmt: skip

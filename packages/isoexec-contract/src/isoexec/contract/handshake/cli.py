@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 NAME = "handshake"
 
@@ -98,13 +97,12 @@ def _client_tls(args: argparse.Namespace) -> object:
 
 
 def _read_token(path: str) -> str:
+    from isoexec.contract.handshake.token import TokenFileError, read_token_file
+
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise _BadInput(f"cannot read token file {path}: {e}") from None
-    if not token:
-        raise _BadInput(f"token file {path} is empty")
-    return token
+        return read_token_file(path)
+    except TokenFileError as e:
+        raise _BadInput(str(e)) from None
 
 
 def _parse_expect(values: list[str] | None) -> dict[str, int]:
