@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -61,6 +62,39 @@ def tiny_dense_dir(model_factory: Callable[[str, str], str]) -> str:
 
 MAX_LIVE_ENGINES = 3  # ~1.5 GB each; the CI machine has 24 GB and runs a trainer too
 
+# What the pool started and reused this session, printed after the run: an engine started
+# twice for one config is start-up time (10-30 s) the test order could save.
+_POOL_LOG: list[tuple[str, float]] = []  # (config label, start seconds)
+_POOL_HITS: dict[str, int] = {}
+
+
+def _engine_label(cfg: Any) -> str:
+    """The model's folder, then every setting that is not the default."""
+    import dataclasses
+
+    default = type(cfg)(model=cfg.model)
+    rest = [
+        f"{f.name}={getattr(cfg, f.name)!r}"
+        for f in dataclasses.fields(cfg)
+        if f.name != "model" and getattr(cfg, f.name) != getattr(default, f.name)
+    ]
+    return " ".join([Path(cfg.model).name, *rest])
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _POOL_LOG:
+        return
+    starts: dict[str, list[float]] = {}
+    for label, secs in _POOL_LOG:
+        starts.setdefault(label, []).append(secs)
+    total = sum(s for _, s in _POOL_LOG)
+    terminalreporter.write_sep("-", f"engine pool: {len(_POOL_LOG)} starts, {total:.0f} s")
+    for label, secs in sorted(starts.items(), key=lambda kv: -sum(kv[1])):
+        hits = _POOL_HITS.get(label, 0)
+        terminalreporter.write_line(
+            f"{len(secs)} start(s) {sum(secs):6.1f} s, {hits} reuse(s): {label}"
+        )
+
 
 @pytest.fixture(scope="session")
 def engine_pool() -> Iterator[Callable[..., Any]]:
@@ -77,13 +111,17 @@ def engine_pool() -> Iterator[Callable[..., Any]]:
 
     def get(**kwargs: Any) -> EngineProcess:
         cfg = EngineConfig(**kwargs)
+        label = _engine_label(cfg)
         if cfg in engines:
             engines.move_to_end(cfg)
+            _POOL_HITS[label] = _POOL_HITS.get(label, 0) + 1
             return engines[cfg]
         while len(engines) >= MAX_LIVE_ENGINES:
             _, oldest = engines.popitem(last=False)
             oldest.close()
+        t0 = time.monotonic()
         engines[cfg] = EngineProcess(cfg)
+        _POOL_LOG.append((label, time.monotonic() - t0))
         return engines[cfg]
 
     try:
