@@ -47,7 +47,9 @@ def naive_dp_train_step(
 ) -> float:
     """Negative control: data parallelism as a DDP all-reduce does it. Each DP rank takes its
     contiguous half of the packs, autograd accumulates their gradients one after another, and
-    the ranks' sums are all-reduced: the addition order of the packs' gradients depends on DP."""
+    the ranks' sums are all-reduced: the addition order of the packs' gradients depends on DP.
+    At EP>1 the experts' gradients are not all-reduced (each expert lives on one rank, whose
+    backward already summed every rank's tokens), as Megatron's DDP leaves them."""
     from megatron.core import parallel_state as ps
 
     from isoexec.megatron.scoring import _packs, packed_logprobs
@@ -60,8 +62,9 @@ def naive_dp_train_step(
     opt.zero_grad(set_to_none=True)
     for pack in packs[rank * per : (rank + 1) * per]:
         (-torch.cat(packed_logprobs(model, [ids[i] for i in pack])).sum() / total).backward()
-    for p in model.parameters():
-        if p.grad is not None and dp > 1:
+    for name, p in model.named_parameters():
+        expert = "local_experts." in name and ps.get_expert_model_parallel_world_size() > 1
+        if p.grad is not None and dp > 1 and not expert:
             dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
     opt.step()
     return 0.0
@@ -133,13 +136,22 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
 
 def every_stage_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The whole model's exported HF weights: each pipeline stage exports its own tensors and
-    they are gathered over the pipeline group (one stage's export at PP=1)."""
+    they are gathered over the pipeline group (one stage's export at PP=1), and each EP rank's
+    experts over the EP group."""
+    from megatron.core import parallel_state as ps
+
     from isoexec.megatron.pipeline import gather_over_pipeline
     from isoexec.megatron.weights import export_hf_weights
 
     out: dict[str, torch.Tensor] = {}
     for part in gather_over_pipeline(dict(export_hf_weights(model))):
         out.update(part)
+    ep = ps.get_expert_model_parallel_world_size()
+    if ep > 1:  # each EP rank exports its own experts (and the replicated rest)
+        parts: list = [None] * ep
+        dist.all_gather_object(parts, out, group=ps.get_expert_model_parallel_group())
+        for part in parts:
+            out.update(part)
     return out
 
 

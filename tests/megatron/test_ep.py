@@ -1,14 +1,18 @@
 """Expert parallelism: EP=2 (a real 2-process gloo world, `torchrun`; Megatron's expert
-split and its all-gather / reduce-scatter over the EP group) scores MoE models bitwise like
+split and its all-gather token dispatcher over the EP group) scores MoE models bitwise like
 EP=1, each rank its own sequences (different token counts, so the exchange pads), with the
-same contract.
+same contract; and `train_step` at EP=2 steps the global batch to bitwise EP=1's weights.
 
-The canonical layer exchanges per-(token, slot) expert outputs (-0.0 in slots another rank
-owns, an exact sum) and combines locally in the fixed order (`isoexec.megatron.expert_parallel`).
-Negative control: stock Megatron (its all-gather dispatcher) at EP=2 differs from EP=1 with
+The canonical layer sends per-(token, slot) inputs and outputs through the dispatcher (-0.0 in
+slots another rank owns, an exact sum) and combines locally in the fixed order
+(`isoexec.megatron.expert_parallel`); each expert's rank sums every unit's expert gradient in
+the DP tree (`isoexec.megatron.expert_parallel_step`).
+Negative controls: stock Megatron (its all-gather dispatcher) at EP=2 differs from EP=1 with
 top-4 routing: each rank sums its experts' weighted outputs and the reduce-scatter adds the
 ranks' partial sums, another association of the four terms. (With top-2 the stock sum is
-a + b either way, equal by commutativity: the control needs k >= 3.)
+a + b either way, equal by commutativity: the control needs k >= 3.) A step as Megatron's DDP
+takes it at EP=2 (autograd accumulates the packs, replicated gradients all-reduced, each
+expert's gradient summed in its one joint backward) differs from EP=1.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ NATIVE_SEQS_BY_RANK = [
     [[11, 300, 77, 61, 499, 23, 8, 90, 151, 4], [42, 43, 44, 1, 0, 9, 9, 3], [9, 8, 7, 6, 5, 4]],
 ]
 TOP4 = {"num_experts_per_tok": 4}
+# train_step's global batch (every rank passes all of it): 4 packs of <= 16 tokens, one
+# per rank and forward; 3 packs of <= 22 tokens, so one rank's second forward is padding.
+TRAIN_SEQS = SEQS_BY_RANK[0] + SEQS_BY_RANK[1]
+MAX_TOKENS_FOR_PACKS = {4: 16, 3: 22}
 CASES = [("tiny-moe-top4", "float32"), ("tiny-moe-top4", "bfloat16"), ("tiny-gdn", "float32")]
 
 
@@ -62,16 +70,22 @@ def ep_results(
                     seqs_by_rank=SEQS_BY_RANK if iso else NATIVE_SEQS_BY_RANK,
                 )  # fmt: skip
     top4 = models["tiny-moe-top4", "float32"]
-    named["train-refused"] = dict(
-        model=top4,
-        dtype="float32",
-        tp=1,
-        ep=2,
-        isoexec=True,
-        train=True,
-        expect_error=True,
-        seqs=SEQS_BY_RANK[0],
-    )
+    for dtype, packs in (("float32", 4), ("bfloat16", 4), ("float32", 3)):
+        for ep in (1, 2):
+            named["train", dtype, packs, ep] = dict(
+                model=models["tiny-moe-top4", dtype], dtype=dtype, tp=1, ep=ep, isoexec=True,
+                train=True, export_after_step=True, seqs=TRAIN_SEQS,
+                max_tokens=MAX_TOKENS_FOR_PACKS[packs],
+            )  # fmt: skip
+    named["train-as-ddp"] = dict(
+        model=top4, dtype="float32", tp=1, ep=2, isoexec=True, train=True,
+        export_after_step=True, seqs=TRAIN_SEQS, max_tokens=MAX_TOKENS_FOR_PACKS[4],
+        naive_dp=True,
+    )  # fmt: skip
+    named["native-train-refused"] = dict(
+        model=top4, dtype="float32", tp=1, ep=2, isoexec=False, train=True, expect_error=True,
+        seqs=NATIVE_SEQS_BY_RANK[0],
+    )  # fmt: skip
     named["unequal-forwards-refused"] = dict(
         model=top4, dtype="float32", tp=1, ep=2, isoexec=True, seqs_by_rank=SEQS_BY_RANK,
         score_max_tokens=12, expect_error=True,
@@ -107,6 +121,33 @@ def test_negative_control_stock_ep2_differs(ep_results: dict, dtype: str) -> Non
             assert torch.allclose(a, b, atol=0.05 if dtype == "bfloat16" else 1e-4)
 
 
-def test_ep2_train_step_and_unequal_forwards_are_refused(ep_results: dict) -> None:
-    assert "train_step at EP>1" in ep_results["train-refused"]["error"]
+def _weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize(("dtype", "packs"), [("float32", 4), ("bfloat16", 4), ("float32", 3)])
+def test_ep2_train_step_equals_ep1_bitwise(ep_results: dict, dtype: str, packs: int) -> None:
+    one, two = ep_results["train", dtype, packs, 1], ep_results["train", dtype, packs, 2]
+    experts = [k for k in one["weights_after_step"] if ".mlp.experts." in k]
+    assert experts and two["local_experts"] * 2 == one["local_experts"]
+    assert _weights_equal(one["weights_after_step"], two["weights_after_step"])
+    assert _equal(one["logprobs_after_step"], two["logprobs_after_step"])
+    assert one["loss"] == two["loss"]
+    before = -torch.cat(one["logprobs"]).double().mean().item()
+    after = -torch.cat(one["logprobs_after_step"]).double().mean().item()
+    assert after < before  # the step learned
+
+
+def test_negative_control_ep2_step_as_ddp_takes_it_differs(ep_results: dict) -> None:
+    one = ep_results["train", "float32", 4, 1]["weights_after_step"]
+    ddp = ep_results["train-as-ddp"]["weights_after_step"]
+    differ = [k for k in one if not torch.equal(one[k], ddp[k])]
+    print(f"EP=2 step as DDP takes it vs EP=1: {len(differ)} of {len(one)} tensors differ")
+    assert differ
+    for k in one:  # ...while it is the same step up to rounding
+        assert torch.allclose(one[k], ddp[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_ep2_native_train_step_and_unequal_forwards_are_refused(ep_results: dict) -> None:
+    assert "train_step at EP>1: isoexec models only" in ep_results["native-train-refused"]["error"]
     assert "would run [3, 2] forwards" in ep_results["unequal-forwards-refused"]["error"]

@@ -15,6 +15,11 @@ from isoexec.megatron.canonical_base import (
     site_impl,
     site_ops,
 )
+from isoexec.megatron.expert_parallel import (
+    ExpertBlocks,
+    dispatched_expert_outputs,
+    slot_inputs,
+)
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.router import TopKRouter
@@ -90,16 +95,27 @@ class IsoSequentialMLP(SequentialMLP):
         x: torch.Tensor,
         topk_weights: torch.Tensor,
         topk_ids: torch.Tensor,
+        *,
+        expert_out: torch.Tensor,
         **shared: torch.Tensor,
     ) -> torch.Tensor:
-        """`shared`: `shared_w13`, `shared_w2`, `shared_gate_w` of `ops.moe_combine`."""
-        w13, w2 = self.stacked_weights()
-        return self.ops.moe_combine(x, topk_weights, topk_ids, w13, w2, **shared)
+        """The MoE block's output [T, H]: `ops.moe_combine` of the routed experts' outputs
+        `expert_out` [T, k, H] (`block_outputs`, or from the ranks holding the experts) and the
+        shared expert (`shared`: `shared_w13`, `shared_w2`, `shared_gate_w`)."""
+        unused = x.new_empty(0)  # the experts' weights: their outputs are given
+        return self.ops.moe_combine(
+            x, topk_weights, topk_ids, unused, unused, expert_out=expert_out, **shared
+        )
 
-    def local_outputs(self, x: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        """[T, k, H] outputs of this rank's experts, -0.0 in slots routed to other ranks."""
+    def block_outputs(
+        self, slots: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """([T, k, H] outputs of this rank's experts, -0.0 in slots routed to other ranks; the
+        stacked (w13, w2) they ran against). Each call stacks its own copy of the weights, so
+        autograd gives each block of tokens its own expert gradient (`ExpertBlocks`)."""
         w13, w2 = self.stacked_weights()
-        return self.ops.moe_experts(x, topk_ids, w13, w2, first_expert=self.first_expert)
+        y = self.ops.moe_experts(slots, topk_ids, w13, w2, first_expert=self.first_expert)
+        return y, (w13, w2)
 
 
 class IsoSharedExpertMLP(SharedExpertMLP):
@@ -157,9 +173,13 @@ class IsoMoELayer(MoELayer):
 
     Every token's result depends only on its own row (canonical linear is row-invariant, the
     combine is a fixed ascending-expert sum), so packing and padding cannot change it. At
-    EP>1 the routed experts' per-slot outputs are exchanged over the EP group
-    (`expert_parallel`), and the combine stays local and canonical.
+    EP>1 the routed experts' per-slot inputs and outputs travel through Megatron's all-gather
+    token dispatcher (`expert_parallel`), and the combine stays local and canonical.
+    `expert_blocks` holds the stacked expert weights of the last forward, one entry per source
+    rank (`train_step` reads them).
     """
+
+    expert_blocks: ExpertBlocks
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -189,13 +209,19 @@ class IsoMoELayer(MoELayer):
             raise CanonicalSiteError("partial MoE forward (CUDA-graph pieces) is not canonical")
         x = hidden_states.reshape(-1, hidden_states.shape[-1])
         weights, ids = self.router(x)
-        shared = self.shared_experts.combine_kwargs() if self.use_shared_expert else {}
+        # Slots in ascending expert id, the combine's own summation order (same bits), so
+        # every rank's slot layout is the one Megatron's routing map gives back.
+        ids, order = torch.sort(ids, dim=-1, stable=True)
+        weights = weights.gather(-1, order)
+        slots = slot_inputs(x, ids.shape[1])
+        self.expert_blocks = ExpertBlocks()
         if self.ep_group is None or self.ep_group.size() == 1:
-            out = self.experts(x, weights, ids, **shared)
+            y, block = self.experts.block_outputs(slots, ids)
+            self.expert_blocks.add(block)
         else:
-            from isoexec.megatron.expert_parallel import exchange_expert_outputs
-
-            y = exchange_expert_outputs(x, ids, self.experts.local_outputs, self.ep_group)
-            w13, w2 = self.experts.stacked_weights()  # unused: the outputs are given
-            out = self.experts.ops.moe_combine(x, weights, ids, w13, w2, expert_out=y, **shared)
+            y = dispatched_expert_outputs(
+                slots, ids, self.experts, self.token_dispatcher, self.expert_blocks
+            )
+        shared = self.shared_experts.combine_kwargs() if self.use_shared_expert else {}
+        out = self.experts(x, weights, ids, expert_out=y, **shared)
         return out.reshape(hidden_states.shape), None

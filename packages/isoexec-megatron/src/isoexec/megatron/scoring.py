@@ -30,6 +30,7 @@ import torch
 
 from isoexec.contract import ops
 from isoexec.contract.protocol import SAMPLING_EPS
+from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
 
@@ -331,7 +332,9 @@ def train_step(
     `max_tokens`, the units), each unit's gradient scaled by its share of the tokens, the unit
     gradients summed in `grad_tree`'s fixed tree. Under data parallelism (Megatron's DP group)
     each DP rank computes its own block of units and the tree is finished over DP, so the step
-    is bitwise the same at DP=1, 2, 4 in fp32. Native: one sequence per forward, gradients
+    is bitwise the same at DP=1, 2, 4 in fp32; at EP>1 (the EP group spanning DP) each expert's
+    rank sums every unit's expert gradient in the same tree (`expert_parallel_step`), so the
+    step is EP=1's bit for bit. Native: one sequence per forward, gradients
     accumulated by autograd, DP>1 not wired. Tensor parallelism is fine on both (Megatron's
     autograd regions reduce what each rank needs).
     """
@@ -347,12 +350,13 @@ def train_step(
     iso = is_isoexec(model)
     if not iso and max_tokens is not None:
         raise ValueError("max_tokens packs sequences: isoexec models only")
-    if parallel and ps.get_expert_model_parallel_world_size() > 1 and _model_is_moe(model):
-        raise NotImplementedError(
-            "train_step at EP>1: the backward of the expert exchange sums each token's "
-            "gradient from the ranks holding its experts in an EP-dependent order, so the step "
-            "would not be bitwise EP=1's; train at EP=1 (scoring at EP>1 is bitwise)"
-        )
+    expert_parallel = (
+        parallel and ps.get_expert_model_parallel_world_size() > 1 and _model_is_moe(model)
+    )
+    if expert_parallel:
+        if not iso:
+            raise NotImplementedError("train_step at EP>1: isoexec models only")
+        check_expert_parallel_step(model)
     if not iso and (dp > 1 or _pipelined(model)):
         raise NotImplementedError(
             "train_step: data and pipeline parallelism for native models are not wired"
@@ -364,23 +368,13 @@ def train_step(
         params = [p for p in model.parameters() if p.requires_grad]
         kept = [ids for ids in all_ids if ids.numel() >= 2]
         packs = _packs([int(i.numel()) for i in kept], max_tokens)
-        tree = GradTree(params)
-        for unit in rank_units(len(packs), dp, ps.get_data_parallel_rank() if parallel else 0):
-            if unit >= len(packs):  # padding to a power of two: an empty unit
-                tree.push(None)
-                continue
-            unit_seqs = [kept[i] for i in packs[unit]]
-            if _pipelined(model):
-                grads, unit_loss = _pipeline_unit_grads(model, params, unit_seqs, total)
-                tree.push(grads)
-                loss_sum += unit_loss
-                continue
-            lps = packed_logprobs(model, unit_seqs)
-            loss = -torch.cat(lps).sum() / total
-            tree.push(torch.autograd.grad(loss, params, allow_unused=True))
-            loss_sum += float(loss.detach())
+        if expert_parallel:
+            units = [[kept[i] for i in pack] for pack in packs]
+            grads, loss_sum = expert_parallel_grads(model, params, units, total, packed_logprobs)
+        else:
+            grads, loss_sum = _unit_grads(model, params, kept, packs, total, dp)
         group = ps.get_data_parallel_group() if dp > 1 else None
-        for p, g in zip(params, finish_over_dp(tree.result(), group, dp), strict=True):
+        for p, g in zip(params, grads, strict=True):
             p.grad = g
         if dp > 1:
             total_loss = torch.tensor([loss_sum], dtype=torch.float64)
@@ -397,6 +391,39 @@ def train_step(
     sum_qk_norm_grads_over_tp(model)
     optimizer.step()
     return loss_sum
+
+
+def _unit_grads(
+    model: torch.nn.Module,
+    params: list[torch.nn.Parameter],
+    kept: list[torch.Tensor],
+    packs: list[list[int]],
+    total: int,
+    dp: int,
+) -> tuple[list[torch.Tensor], float]:
+    """Every parameter's gradient (this DP rank's units in the fixed tree, finished over DP)
+    and this rank's share of the loss."""
+    from megatron.core import parallel_state as ps
+
+    parallel = ps.model_parallel_is_initialized()
+    loss_sum = 0.0
+    tree = GradTree(params)
+    for unit in rank_units(len(packs), dp, ps.get_data_parallel_rank() if parallel else 0):
+        if unit >= len(packs):  # padding to a power of two: an empty unit
+            tree.push(None)
+            continue
+        unit_seqs = [kept[i] for i in packs[unit]]
+        if _pipelined(model):
+            grads, unit_loss = _pipeline_unit_grads(model, params, unit_seqs, total)
+            tree.push(grads)
+            loss_sum += unit_loss
+            continue
+        lps = packed_logprobs(model, unit_seqs)
+        loss = -torch.cat(lps).sum() / total
+        tree.push(torch.autograd.grad(loss, params, allow_unused=True))
+        loss_sum += float(loss.detach())
+    group = ps.get_data_parallel_group() if dp > 1 else None
+    return finish_over_dp(tree.result(), group, dp), loss_sum
 
 
 def sum_qk_norm_grads_over_tp(model: torch.nn.Module) -> None:

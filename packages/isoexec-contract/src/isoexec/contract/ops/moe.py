@@ -75,6 +75,10 @@ def moe_experts(
     """Expert outputs [T, k, H] (x's dtype): y = w2[e] · silu_mul(w13[e] · x) per (t, slot),
     experts visited in ascending id, each over the tokens routed to it (row-invariant).
 
+    x is [T, H], or [T, k, H] with one input row per (token, slot) (all equal to the token's
+    row): the same outputs, and under autograd each slot's input gradient stays its own, so a
+    trainer can sum a token's k slot gradients in a fixed order wherever the experts ran.
+
     Expert parallelism: `w13`/`w2` may hold only experts `first_expert ..` (a rank's local
     experts). A slot routed elsewhere is -0.0, the exact additive identity (x + -0.0 == x for
     every x, signed zeros included), so summing the ranks' outputs in any order reassembles
@@ -88,7 +92,8 @@ def moe_experts(
             continue
         sel = (flat == e).nonzero().squeeze(-1)
         tok, slot = sel // k, sel % k
-        h = silu_mul(linear(x[tok], w13[e - first_expert], block_rows=block_rows))
+        rows = x[tok] if x.dim() == 2 else x[tok, slot]
+        h = silu_mul(linear(rows, w13[e - first_expert], block_rows=block_rows))
         out = out.index_put((tok, slot), linear(h, w2[e - first_expert], block_rows=block_rows))
     return out
 
