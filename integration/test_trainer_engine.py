@@ -92,6 +92,34 @@ def test_negative_control_stock_arm_differs(
     assert float((train - eng).abs().max()) < 0.5  # the same model, just other kernels
 
 
+def test_stock_arm_serves_qwen3_5_causal_lm(
+    tmp_path_factory: pytest.TempPathFactory,
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """`Qwen3_5ForCausalLM` with IsoExec off on both sides: stock vLLM samples it text-only
+    (IsoExec's registration with vLLM's own layers; stock vLLM's class needs torchvision) and
+    its logprobs agree with stock Megatron's to bf16 rounding without being bitwise equal.
+    bf16 with 128-wide GDN heads: stock vLLM-CPU's GDN kernel accepts nothing else."""
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    wide = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
+    model_dir = str(
+        make_tiny_model(
+            "tiny-qwen35", tmp_path_factory.mktemp("q35-128"), dtype="bfloat16", overrides=wide
+        )
+    )
+    assert _hf(model_dir)["architectures"] == ["Qwen3_5ForCausalLM"]
+    engine = _engine(engine_pool, model_dir, "bfloat16", False)
+    trainer = trainer_factory(model_dir, "bfloat16", isoexec=False)
+    prompts = make_prompts(4, int(_hf(model_dir)["vocab_size"]), seed=5)
+    train, eng = sample_and_score(engine, trainer, prompts, TEMPS[:4], max_tokens=6)
+    mismatches = int((train != eng).sum())
+    print(f"stock Qwen3_5ForCausalLM bf16: {mismatches}/{train.numel()} tokens differ")
+    assert mismatches > 0
+    assert float((train - eng).abs().max()) < 0.5  # the same model, just other kernels
+
+
 def test_changed_site_is_refused_on_both_sides(
     model_factory: Callable[[str, str], str],
     engine_pool: Callable[..., Any],
