@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -17,9 +16,10 @@ from isoexec.contract.tiny_models import make_tiny_model
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:
-    # Turn SIGTERM (CI timeout, Ctrl-C of a parent) into SystemExit so every `finally`, fixture
-    # teardown and atexit hook runs: that is what shuts engines down.
-    sys.exit(128 + signum)
+    # Turn SIGTERM (CI timeout, a parent stopping us) into KeyboardInterrupt: pytest then stops
+    # the whole session (a SystemExit inside a test only fails that test and the run goes on)
+    # and every `finally`, fixture teardown and atexit hook runs: that shuts engines down.
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 signal.signal(signal.SIGTERM, _exit_on_sigterm)
