@@ -51,7 +51,7 @@ def _attn_kernel(
     PAGE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    h = tl.program_id(1).to(tl.int64)
     hk = h // GROUP
     pos = tl.load(qpos_ptr + t).to(tl.int64)
     d = tl.arange(0, BLOCK_D)

@@ -48,7 +48,7 @@ def _rope_kernel(
     store_rounded(y_ptr + base + i, x1 * c - x2 * s, ok)
     store_rounded(y_ptr + base + HALF + i, x2 * c + x1 * s, ok)
     if BLOCK_PASS > 0:
-        p = ROT + tl.arange(0, BLOCK_PASS)
+        p = ROT + tl.arange(0, BLOCK_PASS).to(tl.int64)
         pok = p < D
         tl.store(y_ptr + base + p, tl.load(x_ptr + base + p, mask=pok), mask=pok)
 
@@ -89,7 +89,7 @@ def apply_rope(
 @triton.jit
 def _silu_mul_kernel(x_ptr, y_ptr, inner, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = col < inner
     g = tl.load(x_ptr + row * 2 * inner + col, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(x_ptr + row * 2 * inner + inner + col, mask=ok, other=0.0).to(tl.float32)

@@ -37,9 +37,9 @@ def _conv_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     t = tl.program_id(1).to(tl.int64)
-    c = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(2).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = c < C
-    base = xp_ptr + row * (T + W - 1) * C
+    base = xp_ptr + row * (T.to(tl.int64) + W - 1) * C
     acc = tl.zeros((BLOCK,), tl.float32)
     for j in tl.static_range(W):
         xj = tl.load(base + (t + j) * C + c, mask=ok, other=0.0).to(tl.float32)
@@ -122,7 +122,7 @@ def _recurrence_kernel(
 ):
     bi = tl.program_id(0).to(tl.int64)
     hv = tl.program_id(1).to(tl.int64)
-    vs = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    vs = tl.program_id(2).to(tl.int64) * BLOCK_V + tl.arange(0, BLOCK_V)
     kd = tl.arange(0, BLOCK_K)
     k_ok = kd < DK
     v_ok = vs < DV

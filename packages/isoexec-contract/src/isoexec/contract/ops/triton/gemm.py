@@ -43,11 +43,12 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    # int64 indices: `rm * stride_ym` passes 2**31 beyond 14,134 rows of a 151,936-wide lm head
+    pid_m = tl.program_id(0).to(tl.int64)
+    pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     m_ok = rm < M
     n_ok = rn < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)

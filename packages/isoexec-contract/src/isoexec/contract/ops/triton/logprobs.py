@@ -28,7 +28,7 @@ def _tile_stats(x_ptr, start, stop, temperature, APPLY_T: tl.constexpr, TILE: tl
     m = tl.full((), float("-inf"), tl.float32)
     s = tl.zeros((), tl.float32)
     for v0 in range(start, stop, TILE):
-        offs = v0 + tl.arange(0, TILE)
+        offs = v0 + tl.arange(0, TILE).to(tl.int64)
         x = tl.load(x_ptr + offs, mask=offs < stop, other=float("-inf")).to(tl.float32)
         if APPLY_T:
             x = tl.math.div_rn(x, temperature)
@@ -55,7 +55,7 @@ def _logprobs_kernel(
     lse = m + tl.log(s)
     if FULL:
         for v0 in range(0, V, TILE):
-            offs = v0 + tl.arange(0, TILE)
+            offs = v0 + tl.arange(0, TILE).to(tl.int64)
             ok = offs < V
             x = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
             if APPLY_T:
@@ -82,7 +82,7 @@ def _leaf_stats_kernel(
     TILE: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    leaf = tl.program_id(1)
+    leaf = tl.program_id(1).to(tl.int64)
     m, s = _tile_stats(x_ptr + row * V, leaf * LEAF, (leaf + 1) * LEAF, temperature, APPLY_T, TILE)
     tl.store(m_ptr + row * LEAVES + leaf, m)
     tl.store(s_ptr + row * LEAVES + leaf, s)

@@ -101,7 +101,7 @@ def _combine_kernel(
     HAS_GATE: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    col = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    col = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = col < H
     acc = tl.zeros((BLOCK,), tl.float32)
     for j in tl.static_range(TOP_K):
