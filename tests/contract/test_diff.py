@@ -90,3 +90,31 @@ def test_layer_kinds_difference_reports_first_index() -> None:
     assert diff(a, make_contract(4, model=m)).lines[0] == (
         "model.layer_kinds[1]: attention → linear_attention (2 layers differ)"
     )
+
+
+def test_gemm_library_difference_names_the_sites_and_the_parameter(monkeypatch) -> None:
+    """Two sides whose linears run different GEMM libraries (here: one torch without our
+    oneDNN path) get different contracts, and the diff says where and which library."""
+    import torch
+
+    from isoexec.contract.ops import gemm, get_impl
+
+    def sides_linear(impl: ImplInfo) -> dict:
+        sites = site_impls(1)
+        for name, site in sites.items():
+            if site.op == "linear":
+                sites[name] = impl
+        return sites
+
+    ours = get_impl("linear", device="cpu", dtype=torch.float32)
+    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
+    theirs = get_impl("linear", device="cpu", dtype=torch.float32)
+    a, b = make_contract(1, sites=sides_linear(ours)), make_contract(1, sites=sides_linear(theirs))
+    assert a.hash != b.hash
+    left, right = ours.param_dict()["gemm"], theirs.param_dict()["gemm"]
+    assert left != right
+    assert diff(a, b).lines == (
+        f"param gemm {left} → {right} at 5 sites (linear): layers.0.self_attn.qkv_proj, "
+        "layers.0.self_attn.o_proj, layers.0.mlp.fc1 … lm_head",
+    )
+    assert {d.field for d in diff(a, b).differences} == {"param gemm"}

@@ -312,12 +312,56 @@ def test_contract_every_site_canonical_in_isoexec_native_otherwise(
     assert native.hash != c.hash
 
 
+def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same(
+    parallel, qwen3_moe_dir: Path, monkeypatch
+) -> None:
+    """A bf16 trainer's GEMM sites (linears, TP leaves, MoE experts) record the library for
+    CPU bf16 (`gemm_library`), which is what the engine's lookup gives in the same place."""
+    from types import SimpleNamespace
+
+    from isoexec.contract.ops.gemm import gemm_library
+    from isoexec.contract.options import IsoExecOptions
+
+    c = trainer_contract(
+        build_model(qwen3_moe_dir, isoexec=True, dtype=torch.bfloat16), qwen3_moe_dir
+    )
+    gemm_sites = [s for s in c.sites if s.impl.op in ops.GEMM_DTYPES]
+    assert {s.impl.op for s in gemm_sites} == {"linear", "moe_combine"}
+    for s in gemm_sites:
+        assert s.impl.param_dict()["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
+        assert s.impl == ops.get_impl(s.impl.op, device="cpu", dtype=torch.bfloat16), s.name
+    leaves = build_model(
+        qwen3_moe_dir, isoexec=True, dtype=torch.bfloat16, options=IsoExecOptions(tp_invariant=True)
+    )
+    o_proj = trainer_contract(leaves, qwen3_moe_dir).site("layers.0.self_attn.o_proj").impl
+    assert o_proj.param_dict()["gemm"] == gemm_library("cpu", torch.float32)  # fp32 leaves
+
+    backend = pytest.importorskip("isoexec.vllm.backend")  # the engine's lookup, no engine
+    import vllm.config
+
+    engine = SimpleNamespace(
+        additional_config={},
+        device_config=SimpleNamespace(device_type="cpu"),
+        model_config=SimpleNamespace(dtype=torch.bfloat16),
+    )
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: engine)
+    for s in gemm_sites:
+        assert backend.engine_impl(s.impl.op) == s.impl, s.name
+    assert backend.engine_impl("linear_tp") == o_proj
+    monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
+    with pytest.raises(RuntimeError, match="outside a vLLM engine"):
+        backend.engine_impl("linear")
+
+
 def test_contract_refusals(parallel, qwen3_dir: Path, qwen3_moe_dir: Path) -> None:
     iso = build_model(qwen3_dir, isoexec=True)
     with pytest.raises(ValueError, match="not the config the model was built from"):
         read_sites(iso, qwen3_moe_dir)
     with pytest.raises(ValueError, match="dtype bfloat16"):
         trainer_contract(iso, qwen3_dir, torch.bfloat16)
+    cast = build_model(qwen3_dir, isoexec=True).to(torch.bfloat16)  # sites bound for fp32
+    with pytest.raises(ValueError, match="record their library for cpu/float32"):
+        trainer_contract(cast, qwen3_dir)
     native = build_model(qwen3_dir)
     with pytest.raises(SiteNotInstalledError, match="not running a canonical op"):
         verify_installed(native)

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isoexec.contract.ops import (
+    gemm,
     get_impl,
     linear,
     linear_tp_invariant,
@@ -17,6 +18,7 @@ from isoexec.contract.ops import (
     tp_linear_from_shards,
     tp_tree_sum,
 )
+from isoexec.contract.ops.gemm import gemm_library
 
 K, N = 1024, 256
 
@@ -158,3 +160,121 @@ def test_linear_packed_weight_cache_follows_in_place_updates():
     with torch.no_grad():
         w.mul_(2)
     assert torch.allclose(linear(x, w), 2 * y1, rtol=1e-5, atol=1e-5)
+
+
+# ---- which GEMM library runs (what the contract records) --------------------------------------
+def _branch(monkeypatch, dtype: torch.dtype) -> str:
+    """The branch `_block_gemm` takes for `dtype`: "prepacked" (oneDNN `_linear_pointwise` on
+    a packed weight) or "mm" (`torch.mm`), seen by spying on the packing helper."""
+    calls: list[int] = []
+    real = gemm._packed_weight
+    monkeypatch.setattr(gemm, "_packed_weight", lambda w, r: calls.append(r) or real(w, r))
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(40, 64, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
+    gemm._block_gemm(x, w, 32)
+    return "prepacked" if calls else "mm"
+
+
+@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
+def test_gemm_library_names_the_branch_block_gemm_takes(monkeypatch):
+    assert _branch(monkeypatch, torch.float32) == "prepacked"
+    assert gemm_library("cpu", torch.float32) == "onednn-prepacked"
+    assert _branch(monkeypatch, torch.bfloat16) == "mm"  # torch.mm: oneDNN where it has bf16
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert gemm_library("cpu", torch.bfloat16) == ("onednn" if bf16 else "aten-cpublas")
+    blas = "mkl" if torch.backends.mkl.is_available() else gemm._cpu_blas()
+    # Without our oneDNN path: fp32 goes to torch.mm, i.e. the build's BLAS.
+    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
+    assert _branch(monkeypatch, torch.float32) == "mm"
+    assert gemm_library("cpu", torch.float32) == blas
+    # Without oneDNN at all, bf16 torch.mm cannot use it either.
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert _branch(monkeypatch, torch.float32) == "mm"
+    assert gemm_library("cpu", torch.float32) == blas
+    assert gemm_library("cpu", torch.bfloat16) == "aten-cpublas"
+
+
+_VERBOSE_PROBE = """
+import sys, torch
+from isoexec.contract.ops import gemm
+x, w = torch.randn(64, 256), torch.randn(128, 256)
+for name, dtype, ours in (("fp32", torch.float32, True), ("bf16", torch.bfloat16, True),
+                          ("fp32-no-onednn", torch.float32, False)):
+    gemm._onednn_available = (lambda: True) if ours else (lambda: False)
+    print("@@", name, gemm.gemm_library("cpu", dtype), flush=True)
+    gemm._block_gemm(x.to(dtype), w.to(dtype), 32)
+    sys.stdout.flush()
+"""
+
+
+@pytest.mark.skipif(
+    not (gemm._onednn_available() and torch.backends.mkl.is_available()),
+    reason="needs a torch build with oneDNN and MKL (their verbose logs name the library)",
+)
+def test_gemm_library_is_the_library_that_runs():
+    """The libraries' own logs (ONEDNN_VERBOSE, MKL_VERBOSE) show the recorded one running."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", _VERBOSE_PROBE], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    runs: dict[str, tuple[str, str]] = {}
+    for part in out.split("@@ ")[1:]:
+        head, _, log = part.partition("\n")
+        name, lib = head.split()
+        ran = [ln for ln in log.splitlines() if ",exec," in ln or ln.startswith("MKL_VERBOSE ")]
+        runs[name] = (lib, "\n".join(ran))
+    lib, log = runs["fp32"]
+    assert lib == "onednn-prepacked" and ",inner_product," in log and "SGEMM" not in log
+    lib, log = runs["fp32-no-onednn"]
+    assert lib == "mkl" and "SGEMM" in log and "onednn_verbose" not in log
+    lib, log = runs["bf16"]
+    if lib == "onednn":
+        assert ",matmul," in log and "MKL_VERBOSE" not in log
+
+
+def test_gemm_library_on_cuda_records_the_flags_that_change_bits():
+    """cuBLAS's reduced-precision switches are part of the record (readable on a CPU build)."""
+    m = torch.backends.cuda.matmul
+    base = gemm_library("cuda:0", torch.float32)
+    assert base.startswith(("cublas", "hipblas", "ck")) and "tf32=" in base
+    new_api = hasattr(m, "fp32_precision")
+    old = m.fp32_precision if new_api else m.allow_tf32
+    try:
+        if new_api:
+            m.fp32_precision = "tf32"
+        else:
+            m.allow_tf32 = True
+        assert "tf32=true" in gemm_library("cuda", torch.float32) != base
+    finally:
+        if new_api:
+            m.fp32_precision = old
+        else:
+            m.allow_tf32 = old
+    assert gemm_library("cuda", torch.float32) == base
+    bf16 = m.allow_bf16_reduced_precision_reduction
+    try:
+        m.allow_bf16_reduced_precision_reduction = not bf16
+        flipped = gemm_library("cuda", torch.bfloat16)
+    finally:
+        m.allow_bf16_reduced_precision_reduction = bf16
+    assert flipped != gemm_library("cuda", torch.bfloat16)
+    assert f"reduced_precision_reduction={str(not bf16).lower()}" in flipped
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "match"),
+    [
+        ("mps", torch.float32, "unknown"),
+        ("meta", torch.float32, "unknown"),
+        ("not-a-device", torch.float32, "cannot identify"),
+        ("cpu", torch.float64, "no canonical GEMM"),
+    ],
+)
+def test_gemm_library_refuses_what_it_cannot_identify(device, dtype, match):
+    with pytest.raises(ValueError, match=match):
+        gemm_library(device, dtype)

@@ -3,9 +3,18 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops import OP_OF_VARIANT, REGISTRY, get_impl
+from isoexec.contract.ops import (
+    GEMM_DTYPES,
+    OP_OF_VARIANT,
+    REGISTRY,
+    gemm,
+    get_backend_impl,
+    get_impl,
+)
+from isoexec.contract.ops.gemm import gemm_library
 
 OPS = {
     "linear",
@@ -52,3 +61,32 @@ def test_variants_record_the_site_op_and_differ_by_impl_id():
     assert REGISTRY["linear_tp"].impl_id != REGISTRY["linear"].impl_id
     assert REGISTRY["logprobs_vocab_parallel"].op == "logprobs"
     assert REGISTRY["logprobs_vocab_parallel"] != REGISTRY["logprobs"]
+
+
+def test_gemm_ops_record_the_library_for_the_sites_device_and_dtype(monkeypatch):
+    """The "gemm" parameter is `gemm_library` for where and in what the site runs, so a side
+    on another library records another impl (and the contract says which)."""
+    for op, gemm_dtype in GEMM_DTYPES.items():
+        for dtype in (torch.float32, torch.bfloat16):
+            got = get_impl(op, device="cpu", dtype=dtype).param_dict()["gemm"]
+            assert got == gemm_library("cpu", gemm_dtype or dtype), (op, dtype)
+        assert get_backend_impl(op, "torch", dtype=torch.bfloat16) == get_impl(
+            op, dtype=torch.bfloat16
+        )
+        assert get_impl(op, device="cuda") != REGISTRY[op]
+    assert REGISTRY["linear"].param_dict()["gemm"] == gemm_library("cpu", torch.float32)
+    assert "cpu_fp32_gemm" not in REGISTRY["linear"].param_dict()
+    # linear_tp's leaves are fp32 GEMMs whatever the model dtype; linear's are the model's.
+    assert get_impl("linear_tp", dtype=torch.bfloat16) == REGISTRY["linear_tp"]
+    if gemm_library("cpu", torch.bfloat16) != gemm_library("cpu", torch.float32):
+        assert get_impl("linear", dtype=torch.bfloat16) != REGISTRY["linear"]
+    # Ops without a canonical block GEMM ignore where they run; the library is not a knob.
+    assert get_impl("rms_norm", device="cuda", dtype=torch.bfloat16) == REGISTRY["rms_norm"]
+    with pytest.raises(KeyError, match="gemm"):
+        get_impl("linear", gemm="onednn-prepacked")
+    with pytest.raises(ValueError, match="unknown"):
+        get_impl("linear", device="mps")
+    # Negative control: a side whose torch has no oneDNN path records another linear.
+    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
+    assert get_impl("linear") != REGISTRY["linear"]
+    assert get_impl("linear").param_dict()["gemm"] == gemm_library("cpu", torch.float32)

@@ -53,9 +53,19 @@ def site_ops(config: TransformerConfig) -> ModuleType:
     return ops.backend_ops(site_backend(config))
 
 
+def site_device(config: TransformerConfig) -> str:
+    """Where Megatron builds this config's parameters, hence where its GEMMs run: the CPU
+    under `use_cpu_initialization` (as `build_model` does), else the current CUDA device.
+    A model moved after it was built is refused when its contract is read back."""
+    return "cpu" if config.use_cpu_initialization else "cuda"
+
+
 def site_impl(config: TransformerConfig, op: str, **params: object) -> ImplInfo:
-    """What a site of this config records for `op` (backend included)."""
-    return ops.get_backend_impl(op, site_backend(config), **params)
+    """What a site of this config records for `op` (backend included; for a GEMM op, the
+    library for the device and dtype the config builds its parameters on and in)."""
+    return ops.get_backend_impl(
+        op, site_backend(config), device=site_device(config), dtype=config.params_dtype, **params
+    )
 
 
 def _tp_size(module: torch.nn.Module) -> int:
@@ -72,6 +82,7 @@ __all__ = [
     "CanonicalSiteError",
     "IsoTransformerConfig",
     "site_backend",
+    "site_device",
     "site_impl",
     "site_ops",
 ]

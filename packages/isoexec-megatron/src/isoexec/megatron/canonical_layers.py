@@ -105,7 +105,7 @@ class IsoRowParallelLinear(RowParallelLinear):
                     f"linear_tp leaves={self.tp_leaves} do not split TP={tp} x K-shard "
                     f"{self.input_size_per_partition}"
                 )
-            self.isoexec_impl = ops.get_impl("linear_tp", leaves=self.tp_leaves)
+            self.isoexec_impl = site_impl(self.config, "linear_tp", leaves=self.tp_leaves)
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = self.bias if self.bias is not None and not self.skip_bias_add else None

@@ -17,6 +17,7 @@ from isoexec.contract.contract import BackendIdentity, Contract
 from isoexec.contract.impl import ImplInfo, declared_impl, installed_impl
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
+from isoexec.megatron.canonical_base import site_device
 from isoexec.megatron.hf_config import HFConfigSource, ModelArch, _read_source, load_hf_config
 from isoexec.megatron.pipeline import gather_over_pipeline, model_stage, stage_owns_site
 
@@ -202,11 +203,29 @@ def trainer_contract(
     model_dtype = _dtype_name(next(iter(param_dtypes)))
     if dtype is not None and _dtype_name(dtype) != model_dtype:
         raise ValueError(f"dtype {_dtype_name(dtype)} but the model's parameters are {model_dtype}")
+    _check_gemm_placement(model, sites, model_dtype)
     tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
     pp, ep, dp = _parallel_degrees()
     return contract_for(
         cfg, model_dtype, sites, tp_size=tp, pp_size=pp, ep_size=ep, dp_size=dp, backend=backend
     )
+
+
+def _check_gemm_placement(
+    model: torch.nn.Module, sites: Mapping[str, ImplInfo], model_dtype: str
+) -> None:
+    """GEMM sites recorded their library for the device and dtype the config builds on
+    (`site_impl`); a model moved or cast since would carry wrong records: refused."""
+    config = getattr(model, "config", None)
+    if config is None or not any("gemm" in i.param_dict() for i in sites.values()):
+        return
+    built = (site_device(config), _dtype_name(config.params_dtype))
+    devices = sorted({p.device.type for p in model.parameters()})
+    if devices not in ([], [built[0]]) or model_dtype != built[1]:
+        raise ValueError(
+            f"GEMM sites record their library for {built[0]}/{built[1]}, where the model was "
+            f"built, but it now runs on {'/'.join(devices)}/{model_dtype}: build it there"
+        )
 
 
 def _parallel_degrees() -> tuple[int, int, int]:

@@ -8,6 +8,8 @@ when vLLM constructs them (vLLM's config is current then) and keep the ops modul
 
 from __future__ import annotations
 
+from typing import Any
+
 from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
@@ -30,8 +32,24 @@ def engine_ops() -> CompiledOps:
 
 
 def engine_impl(op: str, **params: object) -> ImplInfo:
-    """What a site running `op` on the engine's backend records."""
-    return ops.get_backend_impl(op, engine_options().backend, **params)
+    """What a site running `op` on the engine's backend records (for a GEMM op, the library
+    for the device and dtype the engine builds its model on and in, `engine_placement`)."""
+    where = engine_placement() if op in ops.GEMM_DTYPES else {}
+    return ops.get_backend_impl(op, engine_options().backend, **where, **params)
 
 
-__all__ = ["engine_impl", "engine_ops", "engine_options"]
+def engine_placement() -> dict[str, Any]:
+    """The device and dtype of the vLLM engine being built (vLLM builds the model there and
+    never moves it). Refused outside one: a GEMM site's library would be a guess."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None or cfg.model_config is None:
+        raise RuntimeError(
+            "a canonical GEMM site built outside a vLLM engine's config: its device and dtype "
+            "(hence its GEMM library) are unknown"
+        )
+    return {"device": cfg.device_config.device_type, "dtype": cfg.model_config.dtype}
+
+
+__all__ = ["engine_impl", "engine_ops", "engine_options", "engine_placement"]

@@ -5,6 +5,8 @@ inputs and its absolute position (see docs/ops.md). Each op describes itself wit
 `ImplInfo` (id, version, backend, parameters, source fingerprint) for the contract:
 `get_impl(op)` gives the canonical one, `get_impl(op, kv_tile=32)` a variant with other
 parameters (a different contract), and `REGISTRY` maps op name -> canonical `ImplInfo`.
+A GEMM op also records the library its GEMMs run (`gemm.gemm_library`) on the device and in
+the dtype a site runs: `get_impl(op, device=..., dtype=...)`.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from types import MappingProxyType, ModuleType
+
+import torch
 
 from ..impl import ImplInfo, code_closure, source_fingerprint
 from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
@@ -47,7 +51,6 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
         {
             "block_rows": gemm.DEFAULT_BLOCK_ROWS,
             "accum": "fp32",
-            "cpu_fp32_gemm": "onednn-prepacked",
             "bias": "after-rounding",
         },
         (gemm.linear, gemm._block_gemm, gemm._packed_weight, gemm._BlockLinear),
@@ -148,6 +151,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
 
 _COMMON = (_pointwise.padded_length, _pointwise.pointwise)
 
+# Ops whose GEMMs are `gemm._block_gemm`, and the dtype those GEMMs run in (None: the site's
+# dtype; the TP leaves are fp32 whatever the model's). Their "gemm" parameter is the library.
+GEMM_DTYPES: MappingProxyType[str, torch.dtype | None] = MappingProxyType(
+    {"linear": None, "linear_tp": torch.float32, "moe_combine": None}
+)
+
 # Registry entries that compute another entry's op by a different algorithm: the contract
 # records the site's op ("linear") and tells the algorithms apart by impl_id, so a TP-invariant
 # o_proj on one side and a plain one on the other is an impl mismatch at that site.
@@ -156,9 +165,20 @@ OP_OF_VARIANT: MappingProxyType[str, str] = MappingProxyType(
 )
 
 
-def get_impl(op: str, **params: object) -> ImplInfo:
+def get_impl(
+    op: str,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **params: object,
+) -> ImplInfo:
     """ImplInfo of the canonical `op`; keyword overrides (e.g. kv_tile=32) describe a
-    variant whose kernels were called with those parameters."""
+    variant whose kernels were called with those parameters.
+
+    `device`/`dtype`: where and in what the site runs. A GEMM op (`GEMM_DTYPES`) records
+    `gemm.gemm_library` for them, so a side on another library never MATCHes; the other ops
+    ignore them. The defaults (CPU, fp32) are what `REGISTRY` describes: a site passes its own.
+    """
     if op not in _SPECS:
         raise KeyError(f"unknown op {op!r}; known: {sorted(_SPECS)}")
     impl_id, version, defaults, fns = _SPECS[op]
@@ -166,6 +186,8 @@ def get_impl(op: str, **params: object) -> ImplInfo:
     if unknown:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
+    if op in GEMM_DTYPES:
+        merged["gemm"] = gemm.gemm_library(device, GEMM_DTYPES[op] or dtype)
     fp = _fingerprint(*fns)
     return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
 
@@ -207,10 +229,18 @@ def backend_ops(backend: str = BACKEND) -> ModuleType:
     raise KeyError(f"unknown backend {backend!r}; known: {list(BACKENDS)}")
 
 
-def get_backend_impl(op: str, backend: str = BACKEND, **params: object) -> ImplInfo:
-    """ImplInfo of `op` on `backend` (what a site running that backend's kernel records)."""
+def get_backend_impl(
+    op: str,
+    backend: str = BACKEND,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **params: object,
+) -> ImplInfo:
+    """ImplInfo of `op` on `backend` (what a site running that backend's kernel records) on
+    `device` in `dtype` (`get_impl`; Triton's GEMMs are its own kernels, under no library)."""
     if backend == BACKEND:
-        return get_impl(op, **params)
+        return get_impl(op, device=device, dtype=dtype, **params)
     if backend == "triton":
         from .triton import get_triton_impl
 
@@ -222,6 +252,7 @@ __all__ = [
     "ATTN_OUTPUT_GATE_IMPL",
     "BACKEND",
     "BACKENDS",
+    "GEMM_DTYPES",
     "OP_OF_VARIANT",
     "REGISTRY",
     "apply_rope",

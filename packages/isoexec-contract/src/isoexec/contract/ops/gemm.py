@@ -16,6 +16,7 @@ produce the same bits after an all-gather of leaves (never a NCCL/gloo all-reduc
 
 from __future__ import annotations
 
+import re
 import weakref
 from collections.abc import Callable
 
@@ -53,6 +54,102 @@ def _onednn_available() -> bool:
     return bool(torch.backends.mkldnn.is_available()) and hasattr(
         torch.ops.mkldnn, "_linear_pointwise"
     )
+
+
+# oneDNN's fp32 math modes that are exact fp32 ("none": inherit, which defaults to ieee).
+_EXACT_FP32 = frozenset({"none", "ieee", "highest"})
+
+
+def gemm_library(device: torch.device | str, dtype: torch.dtype) -> str:
+    """The library `_block_gemm` runs for (device, dtype) now, with the settings that change
+    its bits: what a GEMM site records, so two sides MATCH only if the same library runs.
+
+    CPU fp32: "onednn-prepacked" (`_linear_pointwise`), else `torch.mm` on the build's BLAS
+    ("mkl", "openblas", "blas-<name>"). CPU bf16/fp16: `torch.mm`, oneDNN where it supports
+    the dtype on this CPU, else ATen's own CPU GEMM ("aten-cpublas"). A oneDNN fp32 math mode
+    other than IEEE (`torch.backends.mkldnn.matmul.fp32_precision`) is appended. CUDA: the
+    cuBLAS flavour `torch.mm` prefers plus the flag that lets it reduce precision for this
+    dtype (TF32 for fp32, reduced-precision reductions for bf16/fp16). Any other device or
+    dtype is refused (ValueError): a guess would be recorded as fact.
+    """
+    kind = _device_kind(device)
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"gemm_library: no canonical GEMM in {dtype} (float32, bf16, fp16)")
+    if kind == "cuda":
+        return _cuda_gemm(dtype)
+    onednn = bool(torch.backends.mkldnn.is_available())
+    if dtype != torch.float32:  # oneDNN's fp32 math mode does not apply to bf16/fp16 inputs
+        supported = (
+            torch.ops.mkldnn._is_mkldnn_bf16_supported
+            if dtype == torch.bfloat16
+            else torch.ops.mkldnn._is_mkldnn_fp16_supported
+        )
+        return "onednn" if onednn and supported() else "aten-cpublas"
+    precision = _onednn_fp32_precision()
+    if _onednn_available():
+        lib = "onednn-prepacked"
+    elif onednn and precision not in _EXACT_FP32:
+        lib = "onednn"  # `torch.mm` hands fp32 to oneDNN in a reduced math mode
+    else:
+        return _cpu_blas()
+    return lib if precision in _EXACT_FP32 else f"{lib};fp32_precision={precision}"
+
+
+def _device_kind(device: torch.device | str) -> str:
+    """The device's kind, cpu or cuda (ROCm included); anything else is refused, not guessed."""
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"gemm_library: cannot identify device {device!r}: {e}") from None
+    if kind not in ("cpu", "cuda"):
+        raise ValueError(
+            f"gemm_library: device {device!r}: which GEMM library runs there is unknown "
+            "(cpu or cuda only)"
+        )
+    return kind
+
+
+def _cpu_blas() -> str:
+    """The BLAS this torch build hands CPU `torch.mm` to when oneDNN does not take it."""
+    if torch.backends.mkl.is_available():
+        return "mkl"
+    info = re.search(r"BLAS_INFO=([\w-]+)", torch.__config__.show())
+    name = info.group(1).lower() if info else "unknown"
+    return "openblas" if name.startswith("open") else f"blas-{name}"
+
+
+def _onednn_fp32_precision() -> str:
+    """oneDNN's fp32 math mode for matmul ("bf16"/"tf32" let it round inputs down)."""
+    matmul = getattr(torch.backends.mkldnn, "matmul", None)
+    if matmul is not None and hasattr(matmul, "fp32_precision"):  # torch >= 2.9
+        return str(matmul.fp32_precision)
+    return str(torch.get_float32_matmul_precision())
+
+
+def _cuda_gemm(dtype: torch.dtype) -> str:
+    """cuBLAS (hipBLAS on ROCm) flavour `torch.mm` prefers, and the reduced-precision flag
+    that applies to `dtype` (each changes bits)."""
+    m = torch.backends.cuda.matmul
+    prefix = "hip" if torch.version.hip else "cu"
+    preferred = getattr(torch.backends.cuda, "preferred_blas_library", None)
+    name = preferred().name.lower() if preferred is not None else "cublas"
+    libs = {"cublas": f"{prefix}blas", "cublaslt": f"{prefix}blaslt", "ck": "ck"}
+    lib = libs.get(name, f"{prefix}blas-{name}")  # "default": torch's heuristic picks
+    if dtype == torch.float32:
+        if hasattr(m, "fp32_precision"):  # torch >= 2.9; allow_tf32 refuses mixed APIs
+            tf32 = str(m.fp32_precision) == "tf32"
+        else:
+            tf32 = bool(m.allow_tf32)
+        flags = {"tf32": tf32}
+    else:
+        half = "bf16" if dtype == torch.bfloat16 else "fp16"
+        flags = {
+            "reduced_precision_reduction": getattr(m, f"allow_{half}_reduced_precision_reduction"),
+            "split_k": getattr(m, f"allow_{half}_reduced_precision_reduction_split_k", True),
+        }
+        if dtype == torch.float16:
+            flags["fp16_accumulation"] = getattr(m, "allow_fp16_accumulation", False)
+    return ";".join([lib, *(f"{k}={str(bool(v)).lower()}" for k, v in flags.items())])
 
 
 def _owning_parameter(weight: torch.Tensor) -> torch.nn.Parameter | None:
