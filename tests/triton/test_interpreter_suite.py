@@ -19,7 +19,7 @@ from _triton_testlib import CUDA, HAVE_TRITON
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-MODULES = ["test_kernels.py", "test_negative_controls.py"]
+MODULES = ["test_kernels.py", "test_negative_controls.py", "test_paged_cache.py"]
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")

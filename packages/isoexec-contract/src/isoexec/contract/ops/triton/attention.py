@@ -6,8 +6,13 @@ absolute position p walks KV tiles 0..p // KV_TILE in order; every tile is reduc
 full width with keys past p masked to exactly zero probability (missing keys load as 0),
 q·k is a fixed-width `tl.sum` over D, p·v and the row sum fixed-width `tl.sum`s over the
 tile. Nothing depends on the number of queries, where a chunk starts, or which requests
-share the launch; varlen and paged only differ in how a key position maps to a row.
+share the launch; varlen and paged only differ in how a key position maps to an address.
 No `tl.dot` (its per-row bits would depend on the MMA shape chosen for the query block).
+
+The paged form reads the cache in place: the kernel gets the cache's block, slot and head
+strides, so the engine's K/V views of its `[num_blocks, Hkv, block_size, 2 * D]` cache
+(strided, V starting D elements into each row) are read where they are, with the very loads
+a contiguous copy would give, and nothing is copied per layer call.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ def _attn_kernel(
     HKV_STRIDE_V,
     ROW_STRIDE,
     ROW_STRIDE_V,
+    BLOCK_STRIDE,
+    BLOCK_STRIDE_V,
     BT_STRIDE,
     GROUP: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -70,13 +77,18 @@ def _attn_kernel(
     for j in range(0, pos // KV_TILE + 1):
         kp = j * KV_TILE + offs
         valid = kp <= pos
-        if PAGED:
+        if PAGED:  # block, then slot within it (ROW_STRIDE is the slot stride)
             blk = tl.load(bt_ptr + req * BT_STRIDE + kp // PAGE, mask=valid, other=0)
-            rows = blk.to(tl.int64) * PAGE + kp % PAGE
+            blk = blk.to(tl.int64)
+            slot = kp % PAGE
+            koff = blk * BLOCK_STRIDE + slot * ROW_STRIDE
+            voff = blk * BLOCK_STRIDE_V + slot * ROW_STRIDE_V
         else:
             rows = kbase + kp
+            koff = rows * ROW_STRIDE
+            voff = rows * ROW_STRIDE_V
         kt = tl.load(
-            k_ptr + rows[:, None] * ROW_STRIDE + hk * HKV_STRIDE + d[None, :],
+            k_ptr + koff[:, None] + hk * HKV_STRIDE + d[None, :],
             mask=valid[:, None] & d_ok[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -87,7 +99,7 @@ def _attn_kernel(
         p = tl.exp(s - m_new)
         lsum = lsum * alpha + tl.sum(p, axis=0)
         vt = tl.load(
-            v_ptr + rows[:, None] * ROW_STRIDE_V + hk * HKV_STRIDE_V + dv[None, :],
+            v_ptr + voff[:, None] + hk * HKV_STRIDE_V + dv[None, :],
             mask=valid[:, None] & dv_ok[None, :],
             other=0.0,
         ).to(tl.float32)
@@ -98,8 +110,8 @@ def _attn_kernel(
 
 def _launch(
     q: torch.Tensor,
-    k_rows: torch.Tensor,
-    v_rows: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
     qpos: torch.Tensor,
     kbase: torch.Tensor,
     req: torch.Tensor,
@@ -110,18 +122,23 @@ def _launch(
     page: int,
     paged: bool,
 ) -> torch.Tensor:
-    """q [T, H, D]; k_rows/v_rows [rows, Hkv, D] (row-major, last two dims contiguous)."""
+    """q [T, H, D]; k/v [rows, Hkv, D] (varlen) or [num_blocks, block_size, Hkv, D] (paged),
+    any strides but a contiguous last dim; they are read in place."""
     check_device(q)
     t, h, d = q.shape
-    hkv, dv = v_rows.shape[1], v_rows.shape[2]
+    hkv, dv = v.shape[-2], v.shape[-1]
+    assert k.stride(-1) == 1 and v.stride(-1) == 1, "the head dim must be contiguous"
+    # (block, row or slot, head) strides; varlen has no blocks
+    ks = k.stride() if paged else (0, *k.stride())
+    vs = v.stride() if paged else (0, *v.stride())
     q = q.contiguous()
     out = torch.empty(t, h, dv, dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     _attn_kernel[(t, h)](
         q,
-        k_rows,
-        v_rows,
+        k,
+        v,
         out,
         qpos,
         kbase,
@@ -131,10 +148,12 @@ def _launch(
         h,
         d,
         dv,
-        k_rows.stride(1),
-        v_rows.stride(1),
-        k_rows.stride(0),
-        v_rows.stride(0),
+        ks[2],
+        vs[2],
+        ks[1],
+        vs[1],
+        ks[0],
+        vs[0],
         block_table.stride(0) if block_table.dim() == 2 else 0,
         GROUP=h // hkv,
         BLOCK_D=pow2(d),
@@ -200,7 +219,10 @@ def attention_paged(
     kv_tile: int = DEFAULT_KV_TILE,
 ) -> torch.Tensor:
     """Causal attention reading a paged cache [num_blocks, block_size, Hkv, D] (same contract
-    as the torch canonical op; forward only: the engine does not train)."""
+    as the torch canonical op; forward only: the engine does not train). The caches are read
+    in place through their block, slot and head strides (e.g. the engine's views of its
+    `[num_blocks, Hkv, block_size, 2 * D]` cache); only a head dim with a stride other than 1
+    is copied first."""
     dev = q.device
     qsl = query_start_loc.to(device=dev, dtype=torch.int64)
     qlen = qsl[1:] - qsl[:-1]
@@ -213,8 +235,8 @@ def attention_paged(
     dummy = torch.zeros(1, dtype=torch.int32, device=dev)
     return _launch(
         q,
-        _rows(k_cache),
-        _rows(v_cache),
+        k_cache if k_cache.stride(-1) == 1 else k_cache.contiguous(),
+        v_cache if v_cache.stride(-1) == 1 else v_cache.contiguous(),
         qpos,
         dummy,
         req.to(torch.int32),
