@@ -122,3 +122,104 @@ def test_tp_invariant_is_its_own_contract(tp_results: dict) -> None:
 def test_tp2_without_tp_invariant_is_refused(tp_results: dict) -> None:
     err = tp_results["dense32-iso-default-tp2"]["error"]
     assert "IsoExecOptions(tp_invariant=True)" in err and "tp=2" in err
+
+
+# ---- the Triton backend's leaves ----------------------------------------------------------------
+TRITON_INV = {"tp_invariant": True, "backend": "triton"}
+ROW_PARALLEL = ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight")
+
+
+def test_triton_backend_row_parallel_site_runs_the_triton_leaves(
+    parallel: object, qwen3_dir: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TP=1, in-process. A Triton trainer with tp_invariant was refused ("tp_invariant with the
+    Triton backend is not wired"); it now builds, its row-parallel sites record the Triton
+    `linear_tp` impl and call the Triton module's `linear_tp_shard` (spied here and answered by
+    the torch op: this process is not under the interpreter, so no kernel can launch)."""
+    pytest.importorskip("triton")
+    from isoexec.contract import ops
+    from isoexec.contract.ops.triton import get_triton_impl
+    from isoexec.contract.options import IsoExecOptions
+    from isoexec.megatron.contract_readback import trainer_contract
+    from isoexec.megatron.model_builder import build_model
+
+    model = build_model(qwen3_dir, isoexec=True, options=IsoExecOptions(**TRITON_INV))
+    want = get_triton_impl("linear_tp", leaves=8)
+    assert (want.op, want.impl_id, want.backend) == (
+        "linear", "isoexec.linear.triton_tp_leaves", "triton"
+    )  # fmt: skip
+    contract = trainer_contract(model, qwen3_dir)
+    row = [s for s in contract.sites if s.name.endswith((".o_proj", ".down_proj"))]
+    assert len(row) == 4 and all(s.impl == want for s in row), row
+    assert {s.impl.backend for s in contract.sites} == {"triton"}
+
+    xmod = ops.backend_ops("triton")
+    calls: list[dict[str, Any]] = []
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls.append(kwargs)
+        return ops.linear_tp_shard(*args, **kwargs)
+
+    monkeypatch.setattr(xmod, "linear_tp_shard", spy)
+    fc2 = model.decoder.layers[0].mlp.linear_fc2
+    assert fc2.ops is xmod
+    x = torch.randn(3, 1, fc2.input_size_per_partition, requires_grad=True)
+    out, _ = fc2(x)
+    assert len(calls) == 1 and calls[0]["tp"] == 1 and calls[0]["leaves"] == 8
+    out.sum().backward()
+    assert x.grad is not None and fc2.weight.grad is not None
+
+
+@pytest.fixture(scope="module")
+def triton_tp_results(
+    run_tp_jobs: Callable[..., list[dict[str, Any]]], tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, Any]]:
+    """A Triton trainer (TRITON_INTERPRET=1 in the ranks) at TP=1 and TP=2, and a torch one,
+    each scoring, taking one SGD step and exporting the trained weights."""
+    pytest.importorskip("triton")
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    root = tmp_path_factory.mktemp("tp-triton")
+    model = str(make_tiny_model("tiny-dense", root / "dense32", overrides=NARROW_K))
+    named = {
+        f"triton-tp{tp}": dict(model=model, dtype="float32", tp=tp, isoexec=True,
+                               options=TRITON_INV, train=True, export_after_step=True,
+                               contract=True)
+        for tp in (1, 2)
+    }  # fmt: skip
+    named["torch-tp1"] = dict(
+        model=model, dtype="float32", tp=1, isoexec=True, options={"tp_invariant": True},
+        train=True, export_after_step=True,
+    )  # fmt: skip
+    results = run_tp_jobs(list(named.values()), SEQS, env={"TRITON_INTERPRET": "1"})
+    out = dict(zip(named, results, strict=True))
+    out["model"] = {"path": model}
+    return out
+
+
+def test_triton_tp2_bitwise_tp1_and_trains_like_the_torch_ops(triton_tp_results: dict) -> None:
+    """Triton leaves at TP=2 (Megatron's gather region collecting them) give TP=1's logprobs bit
+    for bit and one contract; the step's gradients reach the row-parallel weights and equal
+    the torch canonical ops' (correct, not bitwise: the weights after the step are close)."""
+    from isoexec.contract.contract import Contract
+    from isoexec.megatron.weights import read_hf_state_dict
+
+    t1, t2, ref = (triton_tp_results[k] for k in ("triton-tp1", "triton-tp2", "torch-tp1"))
+    assert _equal(t1["logprobs"], t2["logprobs"])
+    assert t1["contract"] == t2["contract"]
+    contract = Contract.from_bytes(t2["contract"])
+    assert {s.impl.backend for s in contract.sites} == {"triton"}
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    before = read_hf_state_dict(triton_tp_results["model"]["path"])
+    for name in ROW_PARALLEL:
+        w0 = before[name].float()
+        assert not torch.equal(t2["weights_after_step"][name], w0), f"{name} did not move"
+        for got in (t1, t2):
+            torch.testing.assert_close(
+                got["weights_after_step"][name], ref["weights_after_step"][name],
+                rtol=1e-4, atol=1e-5,
+            )  # fmt: skip
+    for got in (t1, t2):
+        nll = -torch.cat(got["logprobs"]).double().mean().item()
+        assert abs(got["loss"] - nll) < 1e-5
+        assert -torch.cat(got["logprobs_after_step"]).double().mean().item() < nll

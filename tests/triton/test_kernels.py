@@ -13,8 +13,14 @@ from _triton_testlib import DEVICE, kernel_marks
 
 pytestmark = kernel_marks()
 
+from isoexec.contract.ops import gemm as t_gemm  # noqa: E402
 from isoexec.contract.ops import triton as xops  # noqa: E402
-from isoexec.contract.ops.triton.selfcheck import CHECKS, DTYPES, TOLERANCE  # noqa: E402
+from isoexec.contract.ops.triton.selfcheck import (  # noqa: E402
+    CHECKS,
+    DTYPES,
+    TOLERANCE,
+    linear_tp_shard_ranks,
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -115,3 +121,134 @@ def test_backward_gdn_matches_torch_op() -> None:
         rtol=1e-4,
         atol=1e-4,
     )
+
+
+# ---- the TP-invariant linear's shard form, and its gradients ---------------------------------
+def _tp_inputs(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2, 3, 64, generator=g)).to(dtype).to(DEVICE)  # lead dims kept
+    w = (torch.randn(24, 64, generator=g) * 0.2).to(dtype).to(DEVICE)
+    bias = torch.randn(24, generator=g).to(dtype).to(DEVICE)
+    return x, w, bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_tp_shard_is_linear_tp_invariant_at_every_tp(dtype: torch.dtype) -> None:
+    """TP=1 shard == `linear_tp_invariant` bitwise; at TP=2 and 4 (K-shards, the leaves
+    gathered in rank order by a fake exact all-gather, torch.cat along dim 0) every rank's
+    output is those bits too."""
+    x, w, bias = _tp_inputs(dtype)
+    whole = xops.linear_tp_invariant(x, w, bias)
+    assert whole.shape == (2, 3, 24) and whole.dtype == dtype
+    assert torch.equal(xops.linear_tp_shard(x, w, bias, tp=1), whole)
+    for tp in (2, 4):
+        ranks = linear_tp_shard_ranks(
+            xops.linear_tp_shard, xops.tp_leaf_partials, x, w, bias, tp=tp, leaves=8
+        )
+        for r, y in enumerate(ranks):
+            assert torch.equal(y, whole), f"TP={tp} rank {r}"
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(
+        whole.double(), t_gemm.linear_tp_shard(x, w, bias, tp=1).double(), rtol=rtol, atol=atol
+    )
+    with pytest.raises(ValueError, match="needs the group's all_gather"):
+        xops.linear_tp_shard(x[..., :32], w[:, :32], tp=2)
+    with pytest.raises(ValueError, match="returned 4 leaves, expected 8"):
+        xops.linear_tp_shard(x[..., :32], w[:, :32], tp=2, all_gather=lambda p: p)
+    with pytest.raises(ValueError, match="not divisible by TP=3"):
+        xops.linear_tp_shard(x, w, tp=3, all_gather=lambda p: p)
+
+    def detached(p: torch.Tensor) -> torch.Tensor:  # an all-gather outside autograd
+        return torch.cat([p, p]).detach()
+
+    xg = x[..., :32].detach().requires_grad_()
+    with pytest.raises(RuntimeError, match="dropped the leaves' autograd graph"):
+        xops.linear_tp_shard(xg, w[:, :32], tp=2, all_gather=detached)
+    with torch.no_grad():  # the engine's case: no autograd, nothing to drop
+        xops.linear_tp_shard(xg, w[:, :32], tp=2, all_gather=detached)
+
+
+def _old_forward_only_linear_tp(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor, leaves: int = 8
+) -> torch.Tensor:
+    """Negative control: the leaves as the Triton module computed them before they had a
+    backward (the bare kernel per leaf, no autograd), then the same tree sum."""
+    x2, wf = x.reshape(-1, x.shape[-1]).float(), w.float()
+    kl = x2.shape[1] // leaves
+    parts = torch.stack(
+        [
+            xops.gemm.gemm(
+                x2[:, i * kl : (i + 1) * kl], wf[:, i * kl : (i + 1) * kl], out_dtype=torch.float32
+            )
+            for i in range(leaves)
+        ]
+    )
+    return t_gemm._tree_sum_round(parts, bias, x, w.shape[0])
+
+
+def _grads(fn, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor):
+    """(output, grads of sum(out * u) w.r.t. x, w, bias: None where none reached them)."""
+    ins = [t.detach().clone().requires_grad_() for t in (x, w, bias)]
+    y = fn(*ins)
+    if y.requires_grad:
+        u = torch.randn(y.shape, generator=torch.Generator().manual_seed(0)).to(y)
+        (y * u).sum().backward()
+    return y, [t.grad for t in ins]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_tp_gradients_equal_the_torch_canonical_ops(dtype: torch.dtype) -> None:
+    """x.grad, weight.grad, bias.grad of the Triton TP forms (the shard at TP=1 and at TP=2
+    through a fake exact gather, `linear_tp_invariant`, `tp_linear_from_shards`) exist and
+    equal the torch canonical op's; the old forward-only leaves drop x's and w's gradient
+    (the bias still had one, so `y.requires_grad` alone would not have caught it)."""
+    x, w, bias = _tp_inputs(dtype)
+    _, want = _grads(lambda a, b, c: t_gemm.linear_tp_shard(a, b, c, tp=1), x, w, bias)
+    assert all(g is not None for g in want)
+
+    def tp2(a, b, c):  # both ranks' leaves in one graph: rank 0's output, rank 1's gathered
+        ranks = linear_tp_shard_ranks(
+            xops.linear_tp_shard, xops.tp_leaf_partials, a, b, c, tp=2, leaves=8
+        )
+        return ranks[0]
+
+    forms = {
+        "shard TP=1": lambda a, b, c: xops.linear_tp_shard(a, b, c, tp=1),
+        "shard TP=2": tp2,
+        "linear_tp_invariant": xops.linear_tp_invariant,
+        "tp_linear_from_shards TP=4": lambda a, b, c: xops.tp_linear_from_shards(
+            list(a.chunk(4, -1)), list(b.chunk(4, -1)), c
+        ),
+    }
+    for name, fn in forms.items():
+        y, got = _grads(fn, x, w, bias)
+        assert y.grad_fn is not None, name
+        for what, a, b in zip(("x", "weight", "bias"), got, want, strict=True):
+            assert a is not None, f"{name}: no {what}.grad"
+            assert a.dtype == b.dtype and a.shape == b.shape, (name, what)
+            torch.testing.assert_close(a, b, msg=f"{name}: {what}.grad")
+
+    # Negative control: the same checks on the old path fail where they should.
+    y, got = _grads(_old_forward_only_linear_tp, x, w, bias)
+    assert torch.equal(y, xops.linear_tp_invariant(x, w, bias))  # same forward bits
+    assert y.requires_grad  # through the bias only
+    assert got[0] is None and got[1] is None and got[2] is not None
+    y, _ = _grads(lambda a, b, c: _old_forward_only_linear_tp(a, b, None), x, w, bias)
+    assert y.grad_fn is None  # no bias: nothing left to differentiate
+
+
+def test_tp_leaf_partials_have_the_torch_leaves_backward() -> None:
+    """The leaves alone: the torch canonical leaves' gradients; no graph under no_grad."""
+    x, w, _ = _tp_inputs()
+    u = torch.randn(4, 6, 24, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    grads = []
+    for leaves_fn in (t_gemm.tp_leaf_partials, xops.tp_leaf_partials):
+        a, b = x.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+        (leaves_fn(a, b, leaves=4) * u).sum().backward()
+        grads.append((a.grad, b.grad))
+    (twx, tww), (xgx, xgw) = grads
+    assert xgx is not None and xgw is not None
+    torch.testing.assert_close(xgx, twx)
+    torch.testing.assert_close(xgw, tww)
+    with torch.no_grad():
+        assert xops.tp_leaf_partials(x.detach().requires_grad_(), w, leaves=4).grad_fn is None

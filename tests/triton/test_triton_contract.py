@@ -110,3 +110,29 @@ def test_one_site_on_another_backend_is_named() -> None:
     assert d.differing_sites == ("lm_head",)
     line = next(line for line in d.lines if line.startswith("lm_head"))
     assert "impl backend triton → torch" in line and "linear" in line
+
+
+def test_triton_linear_tp_shard_takes_the_torch_ops_call() -> None:
+    """The sites (Megatron's `_leaf_linear`, the engine's compiled op) call either backend's
+    `linear_tp_shard` the same way: the torch signature, less the torch tiles' `block_rows`."""
+    import inspect
+
+    def params(backend: str) -> list[tuple[str, object, object]]:
+        sig = inspect.signature(backend_ops(backend).linear_tp_shard)
+        return [(p.name, p.kind, p.default) for p in sig.parameters.values()]
+
+    torch_params = [p for p in params("torch") if p[0] != "block_rows"]
+    assert params("triton") == torch_params
+
+
+def test_both_backends_linear_tp_are_tp_invariant_at_row_parallel_sites() -> None:
+    """A row-parallel site running either backend's K-leaves records tp "invariant" (a Triton
+    trainer at TP=2 and at TP=1 have one contract); the plain linear does not."""
+    from isoexec.contract.model_contract import tp_invariant_sites
+
+    site = "layers.0.self_attn.o_proj"
+    for impl in (REGISTRY["linear_tp"], TRITON_REGISTRY["linear_tp"]):
+        assert tp_invariant_sites({site: impl}) == {site}, impl.impl_id
+        assert tp_invariant_sites({site: get_backend_impl("linear_tp", impl.backend, leaves=8)})
+    for impl in (REGISTRY["linear"], TRITON_REGISTRY["linear"]):
+        assert tp_invariant_sites({site: impl}) == set(), impl.impl_id

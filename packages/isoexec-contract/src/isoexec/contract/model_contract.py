@@ -87,8 +87,9 @@ def model_dtypes(hf_config: Mapping[str, Any], dtype: str) -> Dtypes:
 
 # Sites both frameworks run row-parallel (input split along K across TP ranks).
 ROW_PARALLEL_SITE_SUFFIXES = (".o_proj", ".down_proj", ".out_proj")
-# The one impl of `linear` whose bits do not depend on how K is split across ranks.
-_TP_INVARIANT_LINEAR = "isoexec.linear.tp_leaves"
+# The impls of `linear` whose bits do not depend on how K is split across ranks: the K-leaves
+# `linear_tp` of each backend (torch's and Triton's; `ops._SPECS`, `ops.triton._SPECS`).
+_TP_INVARIANT_LINEARS = frozenset({"isoexec.linear.tp_leaves", "isoexec.linear.triton_tp_leaves"})
 
 
 def tp_invariant_sites(sites: Mapping[str, ImplInfo]) -> set[str]:
@@ -103,7 +104,7 @@ def tp_invariant_sites(sites: Mapping[str, ImplInfo]) -> set[str]:
     for name, impl in sites.items():
         if impl.is_native:
             continue
-        if name.endswith(ROW_PARALLEL_SITE_SUFFIXES) and impl.impl_id != _TP_INVARIANT_LINEAR:
+        if name.endswith(ROW_PARALLEL_SITE_SUFFIXES) and impl.impl_id not in _TP_INVARIANT_LINEARS:
             continue
         out.add(name)
     return out

@@ -7,13 +7,11 @@ from typing import Any
 
 import torch
 
-from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_base import (
     LM_HEAD_ROW_PADDING,
     CanonicalSiteError,
     _tp_size,
-    site_backend,
     site_impl,
     site_ops,
 )
@@ -79,7 +77,9 @@ class IsoRowParallelLinear(RowParallelLinear):
     changes the reduction order). With G leaves it is the TP-invariant `linear_tp`: each rank
     computes fp32 partial products of its G/TP fixed K-leaves, the leaves are all-gathered in
     rank order (an exact copy) and summed in `ops.tp_tree_sum`'s fixed tree, then rounded once:
-    the same bits for TP=1, 2, 4, ... (any TP dividing G).
+    the same bits for TP=1, 2, 4, ... (any TP dividing G). The leaves run on the site's backend
+    (`site_ops`: the torch block GEMM or the Triton kernel, whose backward is the torch
+    leaves'); the gather, tree and rounding are the same torch ops on both.
     """
 
     isoexec_impl: ImplInfo
@@ -98,8 +98,6 @@ class IsoRowParallelLinear(RowParallelLinear):
                     "TP-invariant; build with tp_invariant=True (the `linear_tp` leaves)"
                 )
         else:
-            if site_backend(self.config) != ops.BACKEND:
-                raise CanonicalSiteError("tp_invariant with the Triton backend is not wired")
             if self.tp_leaves % tp or self.input_size_per_partition % (self.tp_leaves // tp):
                 raise CanonicalSiteError(
                     f"linear_tp leaves={self.tp_leaves} do not split TP={tp} x K-shard "
@@ -117,7 +115,8 @@ class IsoRowParallelLinear(RowParallelLinear):
 
     def _leaf_linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         assert self.tp_leaves is not None
-        return ops.linear_tp_shard(
+        # The site's backend (torch, or the Triton leaves with the torch leaves' backward).
+        return self.ops.linear_tp_shard(
             x, self.weight, bias, tp=_tp_size(self), all_gather=self._gather_leaves,
             leaves=self.tp_leaves,
         )  # fmt: skip

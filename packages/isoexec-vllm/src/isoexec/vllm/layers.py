@@ -13,7 +13,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from isoexec.contract import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.contract.protocol import SiteRefusedError
@@ -219,8 +218,6 @@ def _with_canonical_linear(base: type) -> type:
         check_engine_layout()
         row_parallel = isinstance(self, RowParallelLinear)
         tp_invariant = engine_options().tp_invariant and row_parallel
-        if tp_invariant and self.tp_size > 1 and engine_options().backend != ops.BACKEND:
-            raise UnsupportedSiteError("tp_invariant at TP>1 with the Triton backend")
         self.quant_method = (
             CanonicalTPInvariantLinearMethod() if tp_invariant else CanonicalLinearMethod()
         )

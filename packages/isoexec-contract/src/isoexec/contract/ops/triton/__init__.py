@@ -9,7 +9,8 @@ them). `get_triton_impl(op)` is the `ImplInfo` a site records when it runs these
 
 Kernels run on CUDA tensors, or on CPU tensors under Triton's interpreter
 (TRITON_INTERPRET=1 set before triton is imported), which proves structure, not GPU bits.
-Backward passes go through the torch canonical op (correct, not bitwise).
+Backward passes go through the torch canonical op (correct, not bitwise), the TP leaves'
+included.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from . import _runtime, attention, elementwise, gdn, gemm, logprobs, moe, norm
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .elementwise import apply_rope, rope_cos_sin, rope_inv_freq, silu_mul
 from .gdn import gdn_conv, gdn_recurrence
-from .gemm import linear, linear_tp_invariant, tp_leaf_partials, tp_linear_from_shards
+from .gemm import (
+    linear,
+    linear_tp_invariant,
+    linear_tp_shard,
+    tp_leaf_partials,
+    tp_linear_from_shards,
+)
 from .logprobs import (
     combine_leaf_stats,
     log_softmax,
@@ -174,6 +181,7 @@ __all__ = [
     "get_triton_impl",
     "linear",
     "linear_tp_invariant",
+    "linear_tp_shard",
     "log_softmax",
     "moe_combine",
     "moe_experts",

@@ -14,6 +14,8 @@ every backend).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -139,19 +141,34 @@ def linear(
 def tp_leaf_partials(
     x_shard: torch.Tensor, weight_shard: torch.Tensor, *, leaves: int
 ) -> torch.Tensor:
-    """fp32 partial products [leaves, M, N] of `leaves` equal K-leaves of one K-shard."""
-    x2 = x_shard.reshape(-1, x_shard.shape[-1]).float()
-    w = weight_shard.float()
-    k = x2.shape[1]
+    """fp32 partial products [leaves, M, N] of `leaves` equal K-leaves of one K-shard.
+
+    Backward: the torch canonical `tp_leaf_partials`' (correct, not bitwise), so the TP forms
+    built on it (`linear_tp_shard`, `tp_linear_from_shards`, `linear_tp_invariant`) train.
+    """
+    k = x_shard.shape[-1]
     if k % leaves:
         raise ValueError(f"K-shard {k} not divisible by {leaves} leaves")
     kl = k // leaves
-    return torch.stack(
-        [
-            gemm(x2[:, i * kl : (i + 1) * kl], w[:, i * kl : (i + 1) * kl], out_dtype=torch.float32)
-            for i in range(leaves)
-        ]
-    )
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, k).float()
+        wf = w.float()
+        return torch.stack(
+            [
+                gemm(
+                    x2[:, i * kl : (i + 1) * kl],
+                    wf[:, i * kl : (i + 1) * kl],
+                    out_dtype=torch.float32,
+                )
+                for i in range(leaves)
+            ]
+        )
+
+    def ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return _torch_gemm.tp_leaf_partials(x, w, leaves=leaves)
+
+    return with_torch_backward(run, ref, x_shard, weight_shard)  # type: ignore[return-value]
 
 
 def tp_linear_from_shards(
@@ -163,7 +180,8 @@ def tp_linear_from_shards(
 ) -> torch.Tensor:
     """Row-parallel linear from TP K-shards (rank order): gather leaves, tree-sum, round.
 
-    Forward only (the TP path is for scoring; training uses `linear`)."""
+    Differentiable: the leaves' backward is the torch canonical op's, the concatenation,
+    tree sum and rounding are torch ops under autograd."""
     tp = len(x_shards)
     if leaves % tp:
         raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
@@ -173,11 +191,45 @@ def tp_linear_from_shards(
             for xs, ws in zip(x_shards, weight_shards, strict=True)
         ]
     )
-    y = _torch_gemm.tp_tree_sum(parts)
-    if bias is not None:
-        y = y + bias.float()
-    x0 = x_shards[0]
-    return y.to(x0.dtype).reshape(*x0.shape[:-1], weight_shards[0].shape[0])
+    return _torch_gemm._tree_sum_round(parts, bias, x_shards[0], weight_shards[0].shape[0])
+
+
+def linear_tp_shard(
+    x_shard: torch.Tensor,
+    weight_shard: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    tp: int,
+    all_gather: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    leaves: int = DEFAULT_TP_LEAVES,
+) -> torch.Tensor:
+    """One TP rank's share of `linear_tp` in a live TP group: the torch `linear_tp_shard`
+    with this rank's leaves computed by the Triton kernel (the tiles are this module's, so
+    there is no `block_rows`).
+
+    The rank's [G/tp, M, N] fp32 leaf partials, the framework's exact `all_gather` along dim 0
+    in rank order, then the torch fixed tree and one rounding (elementwise IEEE adds: the same
+    bits on any device). Equals `linear_tp_invariant` on the whole K, bit for bit, at every
+    TP dividing G. Differentiable when `all_gather` is (Megatron's gather region is); a gather
+    that drops the leaves' graph under autograd is refused, never a silent loss of gradients.
+    """
+    if tp < 1 or leaves % tp:
+        raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
+    own = tp_leaf_partials(x_shard, weight_shard, leaves=leaves // tp)
+    parts = own
+    if tp > 1:
+        if all_gather is None:
+            raise ValueError(f"linear_tp_shard at TP={tp} needs the group's all_gather")
+        parts = all_gather(own)
+        if parts.shape[0] != leaves:
+            raise ValueError(f"all_gather returned {parts.shape[0]} leaves, expected {leaves}")
+        if own.requires_grad and not parts.requires_grad:
+            raise RuntimeError(
+                "linear_tp_shard: all_gather dropped the leaves' autograd graph (x/weight would "
+                "get no gradient); use a differentiable gather (Megatron's gather region) or "
+                "run without autograd"
+            )
+    return _torch_gemm._tree_sum_round(parts, bias, x_shard, weight_shard.shape[0])
 
 
 def linear_tp_invariant(

@@ -112,19 +112,60 @@ def check_linear(device: str, dtype: torch.dtype, scale: int = 1) -> CheckResult
     return CheckResult("linear", str(dtype), not bad, err, f"differs at {bad}" if bad else "")
 
 
+def in_order_gather(
+    parts_by_rank: Sequence[torch.Tensor], rank: int
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A TP group's exact all-gather along dim 0 in rank order, as seen from `rank` in one
+    process: the rank's own tensor (the one it passes) at its slot, the others' given."""
+
+    def all_gather(own: torch.Tensor) -> torch.Tensor:
+        return torch.cat([own if r == rank else p for r, p in enumerate(parts_by_rank)])
+
+    return all_gather
+
+
+def linear_tp_shard_ranks(
+    shard_fn: Callable[..., torch.Tensor],
+    leaf_fn: Callable[..., torch.Tensor],
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None,
+    *,
+    tp: int,
+    leaves: int,
+) -> list[torch.Tensor]:
+    """Every rank's output of `shard_fn` (a `linear_tp_shard`) at `tp`, the K-shards of x and
+    w split in rank order and the leaves gathered by `in_order_gather` (`leaf_fn`: the other
+    ranks' `tp_leaf_partials`)."""
+    xs, ws = x.chunk(tp, -1), w.chunk(tp, -1)
+    parts = [leaf_fn(a, b, leaves=leaves // tp) for a, b in zip(xs, ws, strict=True)]
+    return [
+        shard_fn(xs[r], ws[r], bias, tp=tp, all_gather=in_order_gather(parts, r), leaves=leaves)
+        for r in range(tp)
+    ]
+
+
 def check_linear_tp(device: str, dtype: torch.dtype, scale: int = 1) -> CheckResult:
     k, n, leaves = 128, 40, 8
     g = torch.Generator().manual_seed(2)
     x = _rand(g, 9, k, dtype=dtype, device=device)
     w = _rand(g, n, k, dtype=dtype, device=device, s=0.2)
+    bias = _rand(g, n, dtype=dtype, device=device)
     outs = {
         tp: x_gemm.tp_linear_from_shards(
             list(x.chunk(tp, -1)), list(w.chunk(tp, -1)), leaves=leaves
         )
         for tp in (1, 2, 4)
     }
-    bad = [tp for tp, y in outs.items() if not torch.equal(y, outs[1])]
+    bad: list[object] = [tp for tp, y in outs.items() if not torch.equal(y, outs[1])]
     bad += [m for m in (1, 4) if not torch.equal(x_gemm.linear_tp_invariant(x[:m], w), outs[1][:m])]
+    # One rank's share in a live group (the form the sites call): every rank, every TP.
+    whole = x_gemm.linear_tp_invariant(x, w, bias, leaves=leaves)
+    for tp in (1, 2, 4):
+        ranks = linear_tp_shard_ranks(
+            x_gemm.linear_tp_shard, x_gemm.tp_leaf_partials, x, w, bias, tp=tp, leaves=leaves
+        )
+        bad += [f"shard TP={tp} rank {r}" for r, y in enumerate(ranks) if not torch.equal(y, whole)]
     err = _err(outs[1], t_gemm.linear_tp_invariant(x, w, leaves=leaves), dtype)
     return CheckResult("linear_tp", str(dtype), not bad, err, f"TP/M {bad}" if bad else "")
 
