@@ -136,3 +136,19 @@ def test_both_backends_linear_tp_are_tp_invariant_at_row_parallel_sites() -> Non
         assert tp_invariant_sites({site: get_backend_impl("linear_tp", impl.backend, leaves=8)})
     for impl in (REGISTRY["linear"], TRITON_REGISTRY["linear"]):
         assert tp_invariant_sites({site: impl}) == set(), impl.impl_id
+
+
+def test_vocab_parallel_logprobs_are_refused_under_autograd() -> None:
+    """The Triton vocab-leaf stats have no backward: under autograd the log-normaliser would
+    get no gradient while the token term does (a silently wrong gradient), so it is refused
+    before any kernel runs; without autograd the refusal does not apply."""
+    import torch
+
+    from isoexec.contract.ops.triton import logprobs as triton_lp
+
+    shard = torch.randn(3, 16, requires_grad=True)
+    with pytest.raises(RuntimeError, match="forward only"):
+        triton_lp.token_logprobs_vocab_parallel([shard], torch.tensor([1, 2, 3]), leaves=8)
+    with torch.no_grad(), pytest.raises(Exception) as info:  # no kernel on a CPU tensor here
+        triton_lp.vocab_leaf_stats(shard, leaves=8)
+    assert "forward only" not in str(info.value)

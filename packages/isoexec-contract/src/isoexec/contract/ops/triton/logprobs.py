@@ -148,7 +148,16 @@ def vocab_leaf_stats(
     temperature: float = 1.0,
     vocab_tile: int = VOCAB_TILE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max, sum exp(x - max)) per leaf of a vocab shard [T, V/tp]: two fp32 [T, leaves]."""
+    """(max, sum exp(x - max)) per leaf of a vocab shard [T, V/tp]: two fp32 [T, leaves].
+
+    Forward only, refused under autograd: the stats have no backward, so the log-normaliser
+    would silently get no gradient (a trainer scores the gathered vocab, `token_logprobs`)."""
+    if torch.is_grad_enabled() and logits_shard.requires_grad:
+        raise RuntimeError(
+            "triton vocab_leaf_stats / token_logprobs_vocab_parallel are forward only: under "
+            "autograd the log-normaliser would get no gradient; score the gathered vocab "
+            "with token_logprobs, or call it under torch.no_grad()"
+        )
     check_device(logits_shard)
     x = logits_shard.contiguous()
     t, v = x.shape
@@ -182,7 +191,8 @@ def token_logprobs_vocab_parallel(
     temperature: float = 1.0,
     vocab_tile: int = VOCAB_TILE,
 ) -> torch.Tensor:
-    """Token logprobs from vocab shards (rank order) with TP-independent bits (forward)."""
+    """Token logprobs from vocab shards (rank order) with TP-independent bits (forward only:
+    refused under autograd, `vocab_leaf_stats`)."""
     tp = len(logits_shards)
     if leaves % tp:
         raise ValueError(f"leaves={leaves} not divisible by TP={tp}")
