@@ -15,16 +15,10 @@ import torch
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.vllm.kv_cache import cache_views
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-
-
-def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(K, V) views `[num_blocks, block_size, kv_heads, head_dim]` of IsoExec's cache layout."""
-    nb, h, bs, two_d = kv_cache.shape
-    kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
-    return kv[:, :, :, 0].permute(0, 2, 1, 3), kv[:, :, :, 1].permute(0, 2, 1, 3)
 
 
 def write_cache(

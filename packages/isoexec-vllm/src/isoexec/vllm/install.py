@@ -18,6 +18,7 @@ def install_plugin() -> None:
     # paths clear the cache after writing: see `ops.gemm.enable_packed_weight_cache`.
     from isoexec.contract.ops.gemm import enable_packed_weight_cache
     from isoexec.vllm.attention import register_attention
+    from isoexec.vllm.cuda_attention import register_cuda_attention
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.moe import register_moe
@@ -30,6 +31,7 @@ def install_plugin() -> None:
     register_moe()
     register_gdn()
     register_attention()
+    register_cuda_attention()  # CUDA: every decoder backend vLLM may pick, and CUSTOM
     register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
     install_sampler()
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
