@@ -81,6 +81,23 @@ def _engine_label(cfg: Any) -> str:
     return " ".join([Path(cfg.model).name, *rest])
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    # An xdist worker hands its pool log to the controller, which prints them all.
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["engine_pool"] = json.dumps({"log": _POOL_LOG, "hits": _POOL_HITS})
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook
+def pytest_testnodedown(node: Any, error: Any) -> None:  # xdist controller: a worker finished
+    out = getattr(node, "workeroutput", {}).get("engine_pool")
+    if out:
+        pool = json.loads(out)
+        _POOL_LOG.extend((label, secs) for label, secs in pool["log"])
+        for label, n in pool["hits"].items():
+            _POOL_HITS[label] = _POOL_HITS.get(label, 0) + n
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _POOL_LOG:
         return
