@@ -2,7 +2,7 @@
 
 The engine keeps one cache `[num_blocks, Hkv, block_size, 2 * D]` (row = block, head, slot;
 `K | V` along the last dim) and passes strided K/V views `[num_blocks, block_size, Hkv, D]`
-of it (`isoexec.vllm.attention.cache_views`, rebuilt here the same way). The kernel gets the
+of it (`isoexec.vllm.paged_attention.cache_views`, rebuilt here the same way). The kernel gets the
 views' block, slot and head strides, so it must (1) give bitwise what it gives on contiguous
 copies of the views (the old path copied them), on the packed path over the gathered keys,
 and agree with the torch canonical op; (2) copy nothing: the key/value tensors it is handed
@@ -37,7 +37,7 @@ REQUESTS = [(13, 13), (5, 1), (29, 12), (1, 1), (32, 1)]
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's (K, V) views (isoexec.vllm.attention.cache_views, without importing vLLM)."""
+    """The engine's (K, V) views (isoexec.vllm.paged_attention.cache_views, without importing vLLM)."""
     nb, h, bs, two_d = kv_cache.shape
     kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
     return kv[:, :, :, 0].permute(0, 2, 1, 3), kv[:, :, :, 1].permute(0, 2, 1, 3)

@@ -15,8 +15,8 @@ import torch
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.backend import engine_impl, engine_ops
-from isoexec.vllm.kv_cache import cache_views
 from isoexec.vllm.layers import UnsupportedSiteError
+from isoexec.vllm.paged_attention import paged_forward
 from vllm.v1.attention.backend import AttentionType
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
 
@@ -90,19 +90,7 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise UnsupportedSiteError("canonical attention is causal decoder attention only")
-        n = attn_metadata.num_actual_tokens
-        k_cache, v_cache = cache_views(kv_cache)
-        out = self.ops.attention_paged(
-            query[:n],
-            k_cache,
-            v_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            scale=self.scale,
-        )
-        output[:n] = out.reshape(output[:n].shape).to(output.dtype)
-        return output
+        return paged_forward(self.ops, query, kv_cache, attn_metadata, output, self.scale)
 
 
 class IsoCPUAttentionBackend(CPUAttentionBackend):

@@ -34,8 +34,8 @@ import triton.language as tl
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops.triton._runtime import check_device, pow2
 from isoexec.vllm.backend import engine_impl, engine_ops
-from isoexec.vllm.kv_cache import cache_views
 from isoexec.vllm.layers import UnsupportedSiteError
+from isoexec.vllm.paged_attention import cache_views, paged_forward
 from vllm.utils.torch_utils import is_quantized_kv_cache
 from vllm.v1.attention.backend import AttentionCGSupport, AttentionType
 from vllm.v1.attention.backends.triton_attn import (
@@ -222,19 +222,7 @@ class IsoTritonAttentionImpl(TritonAttentionImpl):
             raise UnsupportedSiteError("multimodal prefix (bidirectional) ranges are not canonical")
         if attn_metadata.rswa_prefix_lens is not None:
             raise UnsupportedSiteError("R-SWA is not canonical")
-        n = attn_metadata.num_actual_tokens
-        k_cache, v_cache = cache_views(kv_cache)
-        out = self.ops.attention_paged(
-            query[:n],
-            k_cache,
-            v_cache,
-            attn_metadata.block_table,
-            attn_metadata.seq_lens,
-            attn_metadata.query_start_loc,
-            scale=self.scale,
-        )
-        output[:n] = out.reshape(output[:n].shape).to(output.dtype)
-        return output
+        return paged_forward(self.ops, query, kv_cache, attn_metadata, output, self.scale)
 
 
 class IsoTritonAttentionBackend(TritonAttentionBackend):
