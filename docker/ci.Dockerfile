@@ -1,10 +1,11 @@
-# The GPU CI image: both sides plus the test tools, for the H100 integration pipeline.
+# The GPU CI image: the shared base (both sides and the test tools, docker/base.Dockerfile)
+# plus the tests, for the H100/H200 pipeline (ci/gpu-pipeline.yml).
+#   docker build -f docker/base.Dockerfile -t isoexec-base .
 #   docker build -f docker/ci.Dockerfile -t isoexec-ci .
-FROM nvcr.io/nvidia/pytorch:25.09-py3
+ARG BASE=isoexec-base
+FROM ${BASE}
 
-ENV PYTHONUNBUFFERED=1
 WORKDIR /src
+# .dockerignore keeps .venv, .git, caches and run outputs out.
 COPY . .
-RUN pip install --no-cache-dir ./packages/isoexec-contract "./packages/isoexec-vllm[cuda]" \
-    "./packages/isoexec-megatron[te]" pytest pytest-timeout hypothesis transformers safetensors
 CMD ["python", "-m", "pytest", "-m", "gpu", "tests", "integration"]

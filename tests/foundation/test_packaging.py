@@ -99,19 +99,22 @@ def test_namespace_package_has_no_top_level_init(wheels: dict[str, Path]) -> Non
 
 
 def test_extras_used_by_docker_exist() -> None:
-    """Every `./packages/X[extra]` a Dockerfile installs names a real package and extra."""
+    """Every `packages/X[extra,...]` a Dockerfile or the GPU lock's input (docker/
+    gpu-requirements.in) installs names a real package and extra."""
     declared: dict[str, set[str]] = {}
     for pkg in PACKAGES:
         data = tomllib.loads((ROOT / "packages" / pkg / "pyproject.toml").read_text())
         declared[pkg] = set(data["project"].get("optional-dependencies", {}))
     found = 0
-    for dockerfile in (ROOT / "docker").glob("*.Dockerfile"):
+    docker = ROOT / "docker"
+    for dockerfile in [*docker.glob("*.Dockerfile"), docker / "gpu-requirements.in"]:
         text = dockerfile.read_text()
-        for pkg, extra in re.findall(r"\./packages/([\w-]+)(?:\[(\w+)\])?", text):
+        for pkg, extras in re.findall(r"(?:\./)?packages/([\w-]+)(?:\[([\w,]+)\])?", text):
             found += 1
             assert pkg in declared, f"{dockerfile.name}: unknown package {pkg}"
-            if extra:
+            for extra in filter(None, extras.split(",")):
                 assert extra in declared[pkg], f"{dockerfile.name}: {pkg} has no extra [{extra}]"
-        for src in re.findall(r"^COPY (\S+) ", text, flags=re.M):
+        # `COPY --from=<stage>` copies from another image, not from the repository
+        for src in re.findall(r"^COPY (?!--from)(?:--\S+ )*(\S+) ", text, flags=re.M):
             assert (ROOT / src).exists(), f"{dockerfile.name}: COPY source {src} missing"
     assert found >= 4
