@@ -58,10 +58,14 @@ def _interpreting() -> bool:
     return interpreting()
 
 
-isolated = pytest.mark.skipif(
-    not (CUDA or _interpreting()),
-    reason="needs TRITON_INTERPRET=1 set before import (test_isolated_under_interpreter)",
-)
+def isolated(fn: Any) -> Any:
+    """Runs where Triton kernels run: on CUDA (marked `gpu`, so the GPU pipeline's `-m gpu`
+    selects it) or in the interpreter subprocess; skipped in a plain CPU process."""
+    fn = pytest.mark.skipif(
+        not (CUDA or _interpreting()),
+        reason="needs TRITON_INTERPRET=1 set before import (test_isolated_under_interpreter)",
+    )(fn)
+    return pytest.mark.gpu(fn) if CUDA else fn
 
 
 @pytest.fixture
