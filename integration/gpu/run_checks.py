@@ -8,9 +8,10 @@ only a GPU gives GPU bits. On a CUDA device this runs
      (`isoexec.contract.ops.triton.selfcheck`, the checks the CPU suite runs);
   2. overhead ratios: Triton kernel time / the framework's native op (median of CUDA-event
      timings), at realistic shapes;
-  3. trainer vs engine, bitwise, for the three tiny families (`isoexec.contract.pair.run_arm`;
-     each family in its own try, so one failure does not hide the others; families left when
-     the time budget is spent are reported as skipped).
+  3. trainer vs engine, bitwise, for the three tiny families (`isoexec.contract.pair.run_arm`
+     with the Triton backend on both sides and the trainer on the device; each family in its
+     own try, so one failure does not hide the others; families left when the time budget is
+     spent are reported as skipped).
 Exit status: 0 all passed; 1 an invariance failed (a kernel not bitwise invariant, or
 trainer != engine); 2 no invariance failed but a check errored or was inaccurate. Without a
 CUDA device it prints "no CUDA device" and exits 0, so it is safe to call anywhere.
@@ -158,8 +159,12 @@ def overhead_rows() -> list[Row]:
     return rows
 
 
-def pair_rows(families: list[str], dtype: str, deadline: float, stock: bool) -> list[Row]:
-    """Trainer vs engine on each tiny family, each in its own try."""
+def pair_rows(
+    families: list[str], dtype: str, deadline: float, stock: bool, device: str = "cuda"
+) -> list[Row]:
+    """Trainer vs engine on each tiny family, each in its own try: the isoexec arm on the
+    Triton backend, both sides, the trainer on `device` (`isoexec pair --backend triton
+    --device cuda`)."""
     rows = []
     tmp = Path(tempfile.mkdtemp(prefix="isoexec-gpu-checks-"))
     for fam in families:
@@ -173,7 +178,10 @@ def pair_rows(families: list[str], dtype: str, deadline: float, stock: bool) -> 
             model_dir = str(make_tiny_model(fam, tmp / f"{fam}-{dtype}", dtype=dtype))
             arms = [True, False] if stock else [True]
             for iso in arms:
-                res = run_arm(model_dir, dtype, isoexec=iso, num_prompts=6, max_tokens=8, seed=0)
+                res = run_arm(
+                    model_dir, dtype, isoexec=iso, num_prompts=6, max_tokens=8, seed=0,
+                    backend="triton", device=device,
+                )  # fmt: skip
                 eq = res.bitwise_equal == res.tokens and res.tokens > 0
                 detail = (
                     f"{res.bitwise_equal}/{res.tokens} bitwise, max|Δ| {res.max_abs_diff:.2e}, "
@@ -227,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += overhead_rows()
         print(f"overheads timed ({time.monotonic() - start:.0f} s)", flush=True)
     fams = [f for f in args.families.split(",") if f]
-    rows += pair_rows(fams, args.dtype, start + args.budget_s, args.stock)
+    rows += pair_rows(fams, args.dtype, start + args.budget_s, args.stock, args.device)
     print(f"\n{format_table(rows)}\n(total {time.monotonic() - start:.0f} s)", flush=True)
     statuses = [r.status for r in rows]
     return 1 if 1 in statuses else (2 if 2 in statuses else 0)

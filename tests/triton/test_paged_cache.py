@@ -37,7 +37,7 @@ REQUESTS = [(13, 13), (5, 1), (29, 12), (1, 1), (32, 1)]
 
 
 def cache_views(kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The engine's (K, V) views (isoexec.vllm.paged_attention.cache_views, without importing vLLM)."""
+    """The engine's (K, V) views (isoexec.vllm.paged_attention.cache_views; no vLLM import)."""
     nb, h, bs, two_d = kv_cache.shape
     kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
     return kv[:, :, :, 0].permute(0, 2, 1, 3), kv[:, :, :, 1].permute(0, 2, 1, 3)

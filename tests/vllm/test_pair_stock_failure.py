@@ -21,7 +21,8 @@ UPSTREAM = (
 
 def _args() -> argparse.Namespace:
     return argparse.Namespace(dtype="float32", num_prompts=2, max_tokens=2, seed=0, locate=False,
-                              engine_tp=1, trainer_tp=1, trainer_pp=1, verbose=False)  # fmt: skip
+                              engine_tp=1, trainer_tp=1, trainer_pp=1, verbose=False,
+                              backend="torch", device="cpu")  # fmt: skip
 
 
 def test_failed_stock_arm_is_reported_and_isoexec_failure_raises(

@@ -6,6 +6,12 @@ token's logprob is compared bit for bit. Run once with IsoExec on (after the con
 handshake) and once off (the stock arm), and print one table. Needs both sides installed
 (`isoexec-megatron` and `isoexec-vllm`), as in the development workspace.
 
+`--backend torch|triton` chooses the canonical kernels of the IsoExec arm on both sides (the
+trainer's and the engine's `IsoExecOptions`); `--device cpu|cuda` is where the trainer runs (gloo
+or NCCL, built on that device; the engine runs where its vLLM build does, and the contracts
+record each side's GEMM library, so a CPU trainer never MATCHes a CUDA engine).
+`check_setup` refuses what cannot work before anything starts.
+
 With `--locate`, an IsoExec arm that is not 100% bitwise is traced on both sides afterwards
 (same engine, same trainer model, a few of its prompts scored one at a time) and the first
 divergent site is printed (`locate_pair`, `isoexec.contract.locate`).
@@ -29,6 +35,13 @@ from isoexec.contract.pair_report import (
     token_temperatures,
     write_plot,
     write_results,
+)
+from isoexec.contract.pair_setup import (
+    BACKENDS,
+    DEVICES,
+    PairSetupError,
+    arm_settings,
+    check_setup,
 )
 from isoexec.contract.pair_steps import (
     _group,
@@ -59,15 +72,18 @@ def run_arm(
     trainer_pp: int = 1,
     verbose: bool = False,
     log_dir: Path | None = None,
+    backend: str = "torch",
+    device: str = "cpu",
 ) -> ArmResult:
     """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); a trainer with
     `trainer_tp` x `trainer_pp` > 1 scores on a torchrun world of that many ranks (pipeline
     stages through Megatron's schedule), each offering its own contract. With a TP above 1 the
     isoexec arm runs `tp_invariant` on both sides (the only canonical form across TP
-    degrees)."""
+    degrees). `backend` is the isoexec arm's kernels on both sides; `device` is where the
+    trainer is built and runs ("cpu": gloo; "cuda": NCCL, one GPU per trainer rank); both are
+    checked (`check_setup`) before the engine starts."""
     import torch
 
-    from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron import (
         build_model,
         load_hf_weights,
@@ -75,20 +91,19 @@ def run_arm(
         score,
         trainer_contract,
     )
-    from isoexec.vllm.engine_process import EngineConfig
 
+    check_setup(device, backend, trainer_ranks=trainer_tp * trainer_pp)
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     prompts = make_prompts(num_prompts, int(text_config(hf_config)["vocab_size"]), seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
-    options = IsoExecOptions(tp_invariant=isoexec and max(engine_tp, trainer_tp) > 1)
     arm = "isoexec" if isoexec else "stock"
-    engine_cfg = EngineConfig(
-        model=model_dir, dtype=dtype, isoexec=isoexec, seed=seed, max_num_batched_tokens=128,
-        options=options, tensor_parallel_size=engine_tp,
+    options, engine_cfg = arm_settings(
+        model_dir, dtype, isoexec=isoexec, seed=seed, backend=backend, engine_tp=engine_tp,
+        trainer_tp=trainer_tp,
         # --locate traces the engine per site: module hooks need eager mode (compiled and eager
         # engines compute the same bits, tests/vllm/test_compiled_engine.py)
-        enforce_eager=locate_dir is not None,
+        eager=locate_dir is not None,
         log_file=None if verbose or log_dir is None else str(log_dir / f"engine-{arm}.log"),
     )  # fmt: skip
     if trainer_tp * trainer_pp > 1:
@@ -98,9 +113,9 @@ def run_arm(
             return _torchrun_arm(
                 engine, model_dir, dtype, isoexec=isoexec, options=options, tp=trainer_tp,
                 pp=trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
-                timings=timings,
+                timings=timings, device=device,
             )  # fmt: skip
-    with _started(engine_cfg, arm) as (engine, timings), megatron_parallel():
+    with _started(engine_cfg, arm) as (engine, timings), megatron_parallel(device=device):
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
         load_hf_weights(model, model_dir)
         status, hashes, verdict = "n/a (stock arm)", {}, None
@@ -200,6 +215,7 @@ def _torchrun_arm(
     temps: list[float],
     max_tokens: int,
     timings: dict[str, float],
+    device: str = "cpu",
 ) -> ArmResult:
     """The arm with a TP/PP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
     after each rank offered its own contract, beside every engine worker) score the samples.
@@ -216,8 +232,8 @@ def _torchrun_arm(
     timings["sampling"] = time.monotonic() - t0
     levels = sorted(set(temps))
     job: dict[str, Any] = {
-        "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "isoexec": isoexec,
-        "options": options.to_dict(),
+        "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "device": device,
+        "isoexec": isoexec, "options": options.to_dict(),
         "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
     }  # fmt: skip
     status, hashes, outcome = "n/a (stock arm)", {}, None
@@ -324,6 +340,20 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         "has trainer-tp x trainer-pp ranks)",
     )
     p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="torch",
+        help="the isoexec arm's canonical kernels, on both sides (trainer and engine options); "
+        "triton needs --device cuda, or TRITON_INTERPRET=1 on the CPU",
+    )
+    p.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="where the trainer is built and runs (cpu: gloo; cuda: NCCL, one GPU per trainer "
+        "rank); use the device of the engine's vLLM build",
+    )
+    p.add_argument(
         "--verbose",
         action="store_true",
         help="show the engines' and the trainer's own logs (quiet by default; errors always show)",
@@ -370,7 +400,7 @@ def _run_named_arm(args: argparse.Namespace, arm: str, model_dir: str, out: Path
             max_tokens=args.max_tokens, seed=args.seed,
             locate_dir=out / "locate" if args.locate else None, engine_tp=args.engine_tp,
             trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, verbose=args.verbose,
-            log_dir=out,
+            log_dir=out, backend=args.backend, device=args.device,
         )  # fmt: skip
     except EngineError as e:
         if arm == "isoexec":
@@ -387,6 +417,11 @@ def run(args: argparse.Namespace) -> int:
             f"installed; missing: {'; '.join(missing)}",
             flush=True,
         )
+        return 2
+    try:  # before anything starts (no model made, no engine)
+        check_setup(args.device, args.backend, trainer_ranks=args.trainer_tp * args.trainer_pp)
+    except PairSetupError as e:
+        print(f"isoexec pair: {e}", flush=True)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -437,10 +472,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 __all__ = [  # the shared steps are re-exported: callers import them from here
+    "BACKENDS",
+    "DEVICES",
     "PRESETS",
     "ArmResult",
+    "PairSetupError",
     "add_parser",
     "align",
+    "arm_settings",
+    "check_setup",
     "handshake",
     "locate_pair",
     "make_prompts",

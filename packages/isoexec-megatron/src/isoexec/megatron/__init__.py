@@ -1,7 +1,8 @@
 """IsoExec trainer side: canonical ops installed into Megatron-core models.
 
 Importing this package imports neither Megatron nor vLLM; Megatron is imported when a model is
-built, and CPU shims are applied only by `apply_cpu_shims()` / `megatron_parallel()`.
+built, and CPU shims are applied only by `apply_cpu_shims()` / `megatron_parallel()` (on CUDA,
+`megatron_parallel(device="cuda")` applies only the dependency shims, `apply_dependency_shims`).
 """
 
 from isoexec.megatron.contract_readback import (

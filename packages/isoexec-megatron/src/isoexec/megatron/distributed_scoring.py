@@ -7,7 +7,8 @@ the contract read back from its own model (trainer/<rank>) and waits for the run
 then the ranks score each group of sequences at its temperature, and rank 0 returns the
 logprobs. Run as `python -m isoexec.megatron.distributed_scoring JOB_JSON OUT_PT` by torchrun.
 
-The job (JSON): model, dtype, tp, pp (default 1), isoexec, options (IsoExecOptions mapping), groups
+The job (JSON): model, dtype, tp, pp (default 1), device ("cpu": gloo, the default; "cuda": NCCL,
+one GPU per rank), isoexec, options (IsoExecOptions mapping), groups
 ([{"temperature": t, "seqs": [[ids]]}]), and optionally handshake ({"address", "token_file",
 "run_id", optional "tls": ClientTLS fields}: the token is read from a file, never from argv).
 """
@@ -52,7 +53,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
     from isoexec.megatron.weights import load_hf_weights
 
     out: dict[str, Any] = {}
-    with megatron_parallel(int(job["tp"]), pp=int(job.get("pp", 1))):
+    device = str(job.get("device", "cpu"))
+    with megatron_parallel(int(job["tp"]), pp=int(job.get("pp", 1)), device=device):
         model = build_model(
             job["model"], isoexec=bool(job["isoexec"]), tp=int(job["tp"]),
             dtype=getattr(torch, job["dtype"]),
@@ -83,10 +85,16 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     import torch.distributed as dist
 
+    from isoexec.megatron.parallel import device_plan, local_cuda_device
+
     job_file, out_file = argv or sys.argv[1:]
-    dist.init_process_group("gloo", init_method="env://")
+    job = json.loads(Path(job_file).read_text())
+    plan = device_plan(str(job.get("device", "cpu")))  # gloo on the CPU, NCCL on CUDA
+    if plan.device == "cuda":
+        torch.cuda.set_device(local_cuda_device())  # before NCCL: one device per rank
+    dist.init_process_group(plan.backend, init_method="env://")
     try:
-        result = _run(json.loads(Path(job_file).read_text()))
+        result = _run(job)
         if dist.get_rank() == 0:
             torch.save(result, out_file)
     finally:

@@ -92,19 +92,20 @@ def dispatched_expert_outputs(
     group = dispatcher.tp_ep_group
     t, k, h = slots.shape
     num_experts = dispatcher.config.num_moe_experts
-    rows = torch.tensor([t], dtype=torch.int64)
+    dev = slots.device  # the collectives' tensors live where the model does (NCCL: CUDA)
+    rows = torch.tensor([t], dtype=torch.int64, device=dev)
     dist.all_reduce(rows, op=dist.ReduceOp.MAX, group=group)
     pad = int(rows) - t
     if pad:
         slots = torch.cat([slots, slots.new_zeros(pad, k, h)])
-    routing_map = torch.zeros(t + pad, num_experts, dtype=torch.bool)
+    routing_map = torch.zeros(t + pad, num_experts, dtype=torch.bool, device=dev)
     routing_map[:t].scatter_(1, topk_ids, True)
-    probs = torch.zeros(t + pad, num_experts)  # gathered by the dispatcher, unused here
+    probs = torch.zeros(t + pad, num_experts, device=dev)  # gathered by the dispatcher, unused
     n = t + pad
     hidden, probs = dispatcher.dispatch_preprocess(slots.reshape(n, k * h), routing_map, probs)
     hidden, _ = dispatcher.token_dispatch(hidden, probs)
     routed = dispatcher.routing_map  # [N, E], gathered in rank order
-    ids_all = torch.full((routed.shape[0], k), NO_EXPERT, dtype=topk_ids.dtype)
+    ids_all = torch.full((routed.shape[0], k), NO_EXPERT, dtype=topk_ids.dtype, device=dev)
     has = routed.any(dim=1)
     ids_all[has] = routed[has].nonzero()[:, 1].view(-1, k).to(topk_ids.dtype)  # ascending
     outs = []

@@ -64,8 +64,13 @@ def transformer_config(
     ep: int = 1,
     initialize: bool = True,
     logprobs_mode: str = "processed_logprobs",
+    device: str = "cpu",
 ) -> Any:
     """The `TransformerConfig` reproducing `arch` (Qwen3 family), with every fusion off.
+
+    `device` is where Megatron builds the parameters: "cpu" (`use_cpu_initialization`) or
+    "cuda" (the current CUDA device); the GEMM sites record their library for it
+    (`canonical_base.site_device`).
 
     Fusions are off because they need CUDA/TE/apex and because IsoExec must know which kernel
     runs at each site. Dropout follows the HF config (0 for Qwen3), so scoring is deterministic.
@@ -77,6 +82,8 @@ def transformer_config(
 
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"dtype {dtype} not supported (float32, bfloat16, float16)")
+    if device not in ("cpu", "cuda"):
+        raise ValueError(f"device {device!r} not supported (cpu, cuda)")
     _check_tp(arch, tp)
     kwargs: dict[str, Any] = dict(
         num_layers=arch.num_layers,
@@ -104,7 +111,9 @@ def transformer_config(
         params_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=True,
+        # CPU: built there; CUDA: built on the current device (a model is never moved after it
+        # was built: its GEMM sites record the device they were built for).
+        use_cpu_initialization=device == "cpu",
         perform_initialization=initialize,
         # No fused kernels: they need CUDA/TE/apex and would hide which kernel runs.
         bias_activation_fusion=False,
@@ -224,6 +233,32 @@ def _norms_to_model_dtype(model: torch.nn.Module, dtype: torch.dtype) -> None:
             raise RuntimeError(f"parameter {name} is {p.dtype}, model dtype is {dtype}")
 
 
+def _layout_device() -> str:
+    """The device of the `megatron_parallel()` layout in force; "cpu" outside one (a parallel
+    state set up by other means builds on the CPU, as before devices existed)."""
+    from isoexec.megatron.parallel import current_layout
+
+    layout = current_layout()
+    return layout.device if layout is not None else "cpu"
+
+
+def _default_device(device: str) -> Any:
+    """CUDA: the current CUDA device as torch's default device while the model is built, so
+    parameters and buffers that modules create without a device (IsoExec's norms, GDN
+    parameters, index buffers) land where Megatron puts its own. CPU: nothing changes."""
+    import contextlib
+
+    if device == "cpu":
+        return contextlib.nullcontext()
+    return torch.device(device, torch.cuda.current_device())
+
+
+def off_device(model: torch.nn.Module, device: str) -> list[str]:
+    """Names of the parameters and buffers of `model` that are not on `device` (a type)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [name for name, t in tensors if t.device.type != device]
+
+
 def build_model(
     hf_config: HFConfigSource | ModelArch,
     *,
@@ -240,11 +275,12 @@ def build_model(
     not cover every parameter), which at 35B widths saves most of the build time on a CPU.
 
     Must be called inside an initialised parallel state (`megatron_parallel()`), whose TP size
-    must equal `tp`. `isoexec=None` (the default) reads the one switch, `ISOEXEC` (as the
-    engine does), so a trainer image that sets `ISOEXEC=1` builds canonical models; an explicit
-    `True`/`False` overrides it. `isoexec=True` installs the canonical submodules in every
-    slot and then reads every op site back: a site left native is an error
-    (`SiteNotInstalledError`), never a silent fallback.
+    must equal `tp`; the model is built on that layout's device (`megatron_parallel(device=)`:
+    the CPU, or the current CUDA device, where it must then stay). `isoexec=None` (the
+    default) reads the one switch, `ISOEXEC` (as the engine does), so a trainer image that sets
+    `ISOEXEC=1` builds canonical models; an explicit `True`/`False` overrides it.
+    `isoexec=True` installs the canonical submodules in every slot and then reads every op site
+    back: a site left native is an error (`SiteNotInstalledError`), never a silent fallback.
 
     `options` (`IsoExecOptions`, the object the engine takes too) chooses canonical variants:
     `tp_invariant=True` runs the row-parallel sites (o_proj, down_proj) as the TP-invariant
@@ -293,7 +329,12 @@ def build_model(
             "stage would each hold a copy whose gradients must be summed per unit in a fixed "
             "order, which is not wired: run tied models at PP=1"
         )
-    if not torch.cuda.is_available():
+    device = _layout_device()
+    if device == "cuda":
+        from isoexec.megatron.cpu_shims import apply_dependency_shims
+
+        apply_dependency_shims()  # idempotent; what megatron_parallel(device="cuda") applied
+    elif not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
 
         apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
@@ -308,22 +349,31 @@ def build_model(
     config = transformer_config(
         arch, tp=tp, dtype=dtype, sub=sub, tp_leaves=leaves, backend=options.backend, pp=pp,
         ep=ep if arch.is_moe else 1, initialize=initialize, logprobs_mode=options.logprobs_mode,
+        device=device,
     )  # fmt: skip
     stage = current_stage(config)
     spec.layer_specs = spec.layer_specs[stage.first_layer : stage.first_layer + stage.num_layers]
     model_cls = sub.model or GPTModel
-    model = model_cls(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=arch.vocab_size,
-        max_sequence_length=arch.max_position_embeddings,
-        pre_process=stage.pre_process,
-        post_process=stage.post_process,
-        share_embeddings_and_output_weights=arch.tie_word_embeddings,
-        position_embedding_type="none" if sub.rope_in_core_attention else "rope",
-        rotary_percent=arch.partial_rotary_factor,  # unused with RoPE in the core attention
-        rotary_base=arch.rope_theta,
-    )
+    with _default_device(device):
+        model = model_cls(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=arch.vocab_size,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=stage.pre_process,
+            post_process=stage.post_process,
+            share_embeddings_and_output_weights=arch.tie_word_embeddings,
+            position_embedding_type="none" if sub.rope_in_core_attention else "rope",
+            rotary_percent=arch.partial_rotary_factor,  # unused with RoPE in the core attention
+            rotary_base=arch.rope_theta,
+        )
+    if device != "cpu":
+        off = off_device(model, device)
+        if off:
+            raise RuntimeError(
+                f"build_model on {device}: {', '.join(off[:5])} were built elsewhere; every "
+                "parameter and buffer must be created on the layout's device"
+            )
     _norms_to_model_dtype(model, dtype)
     model.isoexec_arch = arch  # the facts it was built from, for weights/scoring/contract
     model.isoexec_mode = isoexec

@@ -377,7 +377,8 @@ def train_step(
         for p, g in zip(params, grads, strict=True):
             p.grad = g
         if dp > 1:
-            total_loss = torch.tensor([loss_sum], dtype=torch.float64)
+            dev = params[0].device if params else None  # NCCL reduces CUDA tensors only
+            total_loss = torch.tensor([loss_sum], dtype=torch.float64, device=dev)
             torch.distributed.all_reduce(total_loss, group=group)
             loss_sum = float(total_loss)
     else:

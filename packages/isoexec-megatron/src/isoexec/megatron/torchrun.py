@@ -1,4 +1,5 @@
-"""Launch a trainer on a real `torchrun` world (CPU, gloo) that can never outlive the caller.
+"""Launch a trainer on a real `torchrun` world (gloo on CPU, NCCL on CUDA: the ranks choose,
+see `parallel.megatron_parallel`) that can never outlive the caller.
 
 torchrun and its ranks run in their own session and are killed as a group whatever happens
 (success, failure, timeout, interrupt), so no rank is left behind on a shared machine.

@@ -12,6 +12,15 @@ Rules:
   global) and keeps the upstream behaviour apart from the device.
 - Shims are for a CPU-only process. `apply_cpu_shims()` refuses to run when CUDA is available,
   so a GPU trainer never silently runs with them.
+- Three of them are not about the CPU but about what Megatron's *local* modules (no Transformer
+  Engine, no flash-linear-attention) lack on any device: `DEPENDENCY_SHIMS`, each with its
+  reason. `apply_dependency_shims()` applies just those, CUDA or not, each only where the
+  dependency it stands in for is absent; `megatron_parallel(device="cuda")` applies them and no
+  other. They matter only to native (stock Megatron) models: an IsoExec model's sites are the
+  canonical modules, which reach none of the patched code (`IsoTopKRouter.forward` never calls
+  `Router.gating`, `IsoRMSNorm` / `IsoGatedRMSNorm` replace `WrappedTorchNorm`,
+  `IsoGatedDeltaNet` replaces `GatedDeltaNet`). Every other shim is about the CPU device alone
+  (CUDA allocations, the CUDA RNG, `torch.compile` building C++ on a CPU) and stays CPU-only.
 - The version is pinned: a different megatron-core is refused, because every replacement below
   copies 0.16.1 code and would drift silently otherwise.
 """
@@ -24,6 +33,7 @@ import torch
 
 from isoexec.megatron.cpu_shims.gdn import (
     ZeroCenteredTorchRMSNorm,
+    _hf_l2norm,
     shim_gated_delta_net_on_cpu,
     shim_gated_delta_net_without_fla,
     shim_torch_norm_zero_centered_gamma,
@@ -54,6 +64,11 @@ def _check_environment() -> None:
             "apply_cpu_shims() is for CPU-only processes, but CUDA is available; "
             "the shims would move Megatron's CUDA buffers onto the CPU."
         )
+    _check_version()
+
+
+def _check_version() -> None:
+    """Refuse a megatron-core the shims were not written for (they copy 0.16.1 code)."""
     from megatron.core import package_info
 
     if package_info.__version__ != SUPPORTED_MEGATRON_VERSION:
@@ -113,11 +128,90 @@ def applied_cpu_shims() -> list[str]:
     return list(_APPLIED)
 
 
+# --------------------------------------------------------------------------------------------
+# Dependency shims: what Megatron's local modules lack on any device (CUDA included)
+# --------------------------------------------------------------------------------------------
+
+
+def _te_absent() -> bool:
+    from megatron.core.transformer.moe import moe_utils
+
+    return not getattr(moe_utils, "HAVE_TE", False)
+
+
+def _fla_absent() -> bool:
+    from megatron.core.ssm import gated_delta_net as gdn
+
+    # HAVE_FLA is also True once the shim bound its torch stand-ins (then re-running is a no-op).
+    return not gdn.HAVE_FLA or getattr(gdn, "l2norm", None) is _hf_l2norm()
+
+
+def _always() -> bool:
+    return True
+
+
+# (shim, when it applies, why a CUDA process needs it too). Each is defined, with its full
+# reason, beside the CPU shims (`transformer.py`, `gdn.py`).
+DEPENDENCY_SHIMS: tuple[tuple[Callable[[], None], Callable[[], bool], str], ...] = (
+    (
+        shim_moe_utils_without_te,
+        _te_absent,
+        "without Transformer Engine, Megatron's router gating (`RouterGatingLinearFunction`) "
+        "reads the unbound name `te_general_gemm`: native MoE models raise NameError on any "
+        "device",
+    ),
+    (
+        shim_torch_norm_zero_centered_gamma,
+        _always,
+        "Megatron's local norm (`WrappedTorchNorm`, what native specs build whether or not TE "
+        "is installed) refuses `layernorm_zero_centered_gamma`: native GDN hybrids need it on "
+        "any device",
+    ),
+    (
+        shim_gated_delta_net_without_fla,
+        _fla_absent,
+        "without flash-linear-attention, Megatron's `GatedDeltaNet` refuses to construct: "
+        "native GDN layers get Megatron's own torch chunked delta rule and HF's l2norm on any "
+        "device",
+    ),
+)
+
+
+def apply_dependency_shims() -> list[str]:
+    """Apply the shims of `DEPENDENCY_SHIMS` whose dependency is absent (idempotent), CUDA or
+    not, and return the names of those in force. The other shims are CPU-only
+    (`apply_cpu_shims`, which applies these too)."""
+    _check_version()
+    import megatron.core.ssm.gated_delta_net
+    import megatron.core.transformer.moe.moe_utils
+    import megatron.core.transformer.torch_norm  # noqa: F401
+
+    for shim, applies, _why in DEPENDENCY_SHIMS:
+        if shim.__name__ in _APPLIED or not applies():
+            continue
+        shim()
+        _APPLIED.append(shim.__name__)
+    return [name for name in _APPLIED if name in _dependency_names()]
+
+
+def applied_cpu_only_shims() -> list[str]:
+    """The CPU-only shims applied in this process (those not in `DEPENDENCY_SHIMS`): a process
+    holding any of them has Megatron allocating on the CPU and cannot host a CUDA trainer."""
+    return [name for name in _APPLIED if name not in _dependency_names()]
+
+
+def _dependency_names() -> set[str]:
+    return {shim.__name__ for shim, _, _ in DEPENDENCY_SHIMS}
+
+
 __all__ = [
+    "DEPENDENCY_SHIMS",
     "SUPPORTED_MEGATRON_VERSION",
     "ZeroCenteredTorchRMSNorm",
+    "applied_cpu_only_shims",
     "applied_cpu_shims",
     "apply_cpu_shims",
+    "apply_dependency_shims",
     "model_parallel_cpu_manual_seed",
     "reset_cpu_rng_tracker",
 ]

@@ -1,0 +1,136 @@
+"""`isoexec pair --backend torch|triton --device cpu|cuda`: the flags, the refusals said before
+anything starts, and the chosen backend reaching both sides' options. No engine is started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from isoexec.contract import pair
+from isoexec.contract.options import IsoExecOptions
+
+ISOEXEC = Path(sys.executable).parent / "isoexec"
+CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.contract.cli"]
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+
+
+def _pair(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*CMD, "pair", *args], capture_output=True, text=True, timeout=120,
+                          env=env)  # fmt: skip
+
+
+def test_help_lists_backend_and_device() -> None:
+    r = _pair("--help")
+    assert r.returncode == 0, r.stderr
+    assert "--backend {torch,triton}" in r.stdout and "--device {cpu,cuda}" in r.stdout
+
+
+@NO_CUDA
+def test_device_cuda_without_cuda_exits_before_anything_starts(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    r = _pair("--device", "cuda", "--out", str(out))
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("isoexec pair: --device cuda: CUDA is not")
+    assert not out.exists()  # no model made, no engine started
+
+
+@NO_CUDA
+def test_triton_on_cpu_needs_the_interpreter(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = _pair("--backend", "triton", "--out", str(tmp_path / "run"), env=env)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "TRITON_INTERPRET=1" in r.stdout and "starting the engine" not in r.stdout
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, devices: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: devices)
+
+
+def test_check_setup_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    _fake_cuda(monkeypatch, 0)
+    pair.check_setup("cpu", "torch")
+    with pytest.raises(pair.PairSetupError, match="CUDA is not available"):
+        pair.check_setup("cuda", "torch")
+    with pytest.raises(pair.PairSetupError, match="TRITON_INTERPRET=1"):
+        pair.check_setup("cpu", "triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    pair.check_setup("cpu", "triton")
+    with pytest.raises(pair.PairSetupError, match="known"):
+        pair.check_setup("tpu", "torch")
+    _fake_cuda(monkeypatch, 2)
+    pair.check_setup("cuda", "triton", trainer_ranks=2)
+    with pytest.raises(pair.PairSetupError, match="3 ranks needs one CUDA device per rank"):
+        pair.check_setup("cuda", "torch", trainer_ranks=3)
+    with pytest.raises(pair.PairSetupError, match="--device cpu on a machine with CUDA"):
+        pair.check_setup("cpu", "torch")
+
+
+def test_arm_settings_give_both_sides_the_backend() -> None:
+    options, engine = pair.arm_settings("/m", "bfloat16", isoexec=True, seed=3, backend="triton")
+    assert options == IsoExecOptions(backend="triton")
+    assert engine.options is options and engine.isoexec and engine.seed == 3
+    options, engine = pair.arm_settings("/m", "float32", isoexec=True, seed=0, backend="triton",
+                                        engine_tp=2)  # fmt: skip
+    assert options == IsoExecOptions(tp_invariant=True, backend="triton") == engine.options
+    # the stock arm is stock on both sides, whatever the backend
+    options, engine = pair.arm_settings("/m", "float32", isoexec=False, seed=0, backend="triton")
+    assert options == IsoExecOptions() == engine.options and not engine.isoexec
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_run_arm_puts_the_trainer_on_the_device_with_the_engines_options(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """run_arm: the engine config and the trainer's build_model get the same options; the
+    trainer's parallel layout gets the device. Stopped at build_model; no engine starts."""
+    import isoexec.megatron as trainer
+
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 64}'
+    )
+    seen: dict[str, Any] = {}
+
+    @contextmanager
+    def started(config: Any, arm: str) -> Any:
+        seen["engine"] = config
+        yield object(), {}
+
+    @contextmanager
+    def parallel(**kwargs: Any) -> Any:
+        seen["parallel"] = kwargs
+        yield
+
+    def build_model(model_dir: str, **kwargs: Any) -> Any:
+        seen["build"] = kwargs
+        raise _Stop
+
+    _fake_cuda(monkeypatch, 1)
+    monkeypatch.setattr(pair, "_started", started)
+    monkeypatch.setattr(trainer, "megatron_parallel", parallel)
+    monkeypatch.setattr(trainer, "build_model", build_model)
+    with pytest.raises(_Stop):
+        pair.run_arm(str(tmp_path), "bfloat16", isoexec=True, num_prompts=2, max_tokens=2,
+                     seed=0, backend="triton", device="cuda")  # fmt: skip
+    assert seen["parallel"] == {"device": "cuda"}
+    assert seen["build"]["options"] is seen["engine"].options
+    assert seen["engine"].options.backend == "triton" and seen["engine"].isoexec
+    # refused before the engine starts
+    seen.clear()
+    _fake_cuda(monkeypatch, 0)
+    with pytest.raises(pair.PairSetupError, match="CUDA is not available"):
+        pair.run_arm(str(tmp_path), "bfloat16", isoexec=True, num_prompts=2, max_tokens=2,
+                     seed=0, device="cuda")  # fmt: skip
+    assert seen == {}
