@@ -49,7 +49,11 @@ _BUILT: IsoSampler | None = None
 def built_sampler() -> IsoSampler:
     """The sampler this worker's model runner built (the contract's logprobs site)."""
     if _BUILT is None:
-        raise UnsupportedSiteError("no IsoExec sampler was built in this worker process")
+        raise UnsupportedSiteError(
+            "no IsoExec sampler was built in this worker process (vLLM's Model Runner V2, "
+            "its default on CUDA, builds its own sampler; IsoExec's is the V1 runner's: leave "
+            f"{V2_RUNNER_ENV} unset or 0, and no watermark / HiSparse config, which force V2)"
+        )
     return _BUILT
 
 
