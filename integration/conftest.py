@@ -1,4 +1,5 @@
-"""Integration fixtures: one Megatron parallel context and one trainer model per (preset, dtype).
+"""Integration fixtures: per test file, one Megatron parallel context and one trainer model per
+(preset, dtype).
 
 Engines come from the root `engine_pool` (separate processes); the trainer runs in the pytest
 process; they talk over the real gRPC handshake on loopback.
@@ -15,15 +16,19 @@ import torch
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def megatron_context() -> Iterator[None]:
+    """One test file's Megatron parallel state. Per module, not per session: Megatron's state is
+    process-global and `megatron_parallel()` refuses to nest, so a context left open after its
+    file would break any later test (or example) that opens its own in the same process — with
+    xdist workers, whichever file comes next."""
     from isoexec.megatron import megatron_parallel
 
     with megatron_parallel():
         yield
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def trainer_factory(megatron_context: None) -> Callable[..., Any]:
     """(model_dir, dtype, isoexec, options) -> a Megatron model with the checkpoint's weights,
     cached."""
