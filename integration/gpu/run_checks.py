@@ -6,8 +6,9 @@ only a GPU gives GPU bits. On a CUDA device this runs
   1. every Triton kernel's bitwise invariance (row alone == row in batches of other sizes,
      decode == prefill, TP shards) and its accuracy against the torch canonical op
      (`isoexec.contract.ops.triton.selfcheck`, the checks the CPU suite runs);
-  2. overhead ratios: Triton kernel time / the framework's native op (median of CUDA-event
-     timings), at realistic shapes;
+  2. an lm head past 2**31 output elements (64-bit offsets on the device), then overhead
+     ratios: Triton kernel time / the framework's native op (median of CUDA-event timings),
+     at realistic shapes;
   3. trainer vs engine, bitwise, for the three tiny families (`isoexec.contract.pair.run_arm`
      with the Triton backend on both sides and the trainer on the device; each family in its
      own try, so one failure does not hide the others; families left when the time budget is
@@ -159,6 +160,37 @@ def overhead_rows() -> list[Row]:
     return rows
 
 
+def large_index_rows() -> list[Row]:
+    """An lm head past 2**31 output elements (Qwen's 151,936 vocab x 16,384 rows, bf16): the
+    Triton linear's last rows must equal the same rows computed alone (bitwise) and the torch
+    GEMM (to bf16 tolerance). With 32-bit offsets the rows past ~14,134 would be read or
+    written at wrapped addresses; the CPU suite proves the 64-bit arithmetic in the IR
+    (tests/triton/test_index_width.py), this shows it on the device."""
+    import torch
+
+    from isoexec.contract.ops import triton as x
+
+    m, n, k = 16384, 151936, 1024
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        xs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5
+        with torch.no_grad():
+            tail = x.linear(xs, w)[-8:].clone()  # the whole [m, n] output, then its last rows
+            alone = x.linear(xs[-8:], w)
+            ref = (xs[-8:].float() @ w.float().t()).to(torch.bfloat16)
+        torch.cuda.synchronize()
+        bitwise = torch.equal(tail, alone)
+        err = float((tail.float() - ref.float()).abs().max())
+        detail = f"{m}x{n} bf16 (> 2**31 elements): last rows alone {bitwise}, max |d| {err:.3g}"
+        result = PASS if bitwise and err < 0.1 else (FAIL_INV if not bitwise else FAIL_OTHER)
+        return [Row("kernel", "linear_64bit_offsets", result, detail)]
+    except Exception as e:  # reported, not fatal
+        return [Row("kernel", "linear_64bit_offsets", FAIL_OTHER, f"{type(e).__name__}: {e}"[:160])]
+    finally:
+        torch.cuda.empty_cache()
+
+
 def pair_rows(
     families: list[str], dtype: str, deadline: float, stock: bool, device: str = "cuda"
 ) -> list[Row]:
@@ -231,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     only = [k for k in args.kernels.split(",") if k] or None
     rows = kernel_rows(args.device, args.scale, only)
     print(f"kernels checked ({time.monotonic() - start:.0f} s)", flush=True)
+    if args.device == "cuda":
+        rows += large_index_rows()
     if not args.no_overhead and args.device == "cuda":
         rows += overhead_rows()
         print(f"overheads timed ({time.monotonic() - start:.0f} s)", flush=True)
