@@ -83,3 +83,36 @@ def test_triton_trainer_equals_triton_engine_bitwise(triton_run: dict[str, Any])
     t, e = aligned_logprobs(r["sampled"], TEMPS, r["jobs"], r["results"])
     assert t.numel() == 4 * len(TEMPS)
     assert torch.equal(t, e), (t - e).abs().max()
+
+
+@pytest.mark.matrix
+def test_triton_tp_invariant_engine_tp2_equals_trainer_tp2_bitwise(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    run_tp_jobs: Callable[..., list[dict[str, Any]]],
+) -> None:
+    """Triton with `tp_invariant` at TP=2 on both sides (vLLM's executor, a torchrun trainer;
+    both under the interpreter): MATCH, and every sampled logprob bitwise the trainer's. The
+    Triton leaves are gathered in rank order and summed in the shared fixed tree on both."""
+    options = IsoExecOptions(backend="triton", tp_invariant=True)
+    model = model_factory("tiny-dense", "float32")
+    engine = engine_pool(
+        model=model, dtype="float32", isoexec=True, options=options, tensor_parallel_size=2,
+        enforce_eager=True, extra_env=tuple(INTERPRET.items()),
+        max_model_len=128, max_num_batched_tokens=32, kv_cache_bytes=8 * 2**20,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(22)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (5, 40, 11)]
+    sampled = engine.generate(prompts, [SamplingSpec(max_tokens=4, temperature=t) for t in TEMPS])
+    jobs = scoring_jobs(
+        sampled, TEMPS, model=model, dtype="float32", tp=2, isoexec=True,
+        options=options.to_dict(), contract=True,
+    )  # fmt: skip
+    results = run_tp_jobs(jobs, [], nproc=2, env=INTERPRET)
+    contract = Contract.from_bytes(results[0]["contract"])
+    assert {s.tp for s in contract.sites} == {"invariant"}
+    trainer_verdict, engine_verdict = handshake(contract, engine, run_id="triton-tp2")
+    assert trainer_verdict.matched and engine_verdict["outcome"] == "MATCH", trainer_verdict
+    t, e = aligned_logprobs(sampled, TEMPS, jobs, results)
+    assert t.numel() == 4 * len(TEMPS)
+    assert torch.equal(t, e), (t - e).abs().max()
