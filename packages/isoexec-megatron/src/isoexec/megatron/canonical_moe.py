@@ -175,8 +175,8 @@ class IsoMoELayer(MoELayer):
     combine is a fixed ascending-expert sum), so packing and padding cannot change it. At
     EP>1 the routed experts' per-slot inputs and outputs travel through Megatron's all-gather
     token dispatcher (`expert_parallel`), and the combine stays local and canonical.
-    `expert_blocks` holds the stacked expert weights of the last forward, one entry per source
-    rank (`train_step` reads them).
+    At EP>1 `expert_blocks` holds the stacked expert weights of the last forward under autograd,
+    one entry per source rank (`train_step` reads them); at EP=1 nothing is kept.
     """
 
     expert_blocks: ExpertBlocks
@@ -216,8 +216,7 @@ class IsoMoELayer(MoELayer):
         slots = slot_inputs(x, ids.shape[1])
         self.expert_blocks = ExpertBlocks()
         if self.ep_group is None or self.ep_group.size() == 1:
-            y, block = self.experts.block_outputs(slots, ids)
-            self.expert_blocks.add(block)
+            y, _ = self.experts.block_outputs(slots, ids)  # autograd reaches the parameters
         else:
             y = dispatched_expert_outputs(
                 slots, ids, self.experts, self.token_dispatcher, self.expert_blocks
