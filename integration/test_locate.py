@@ -4,7 +4,7 @@ trainer, each recording every site's output per token for the same sequences.
 - IsoExec on both sides: every compared site is bitwise equal (otherwise locate is useless);
 - a one-ulp change at one site of one layer on the trainer: `locate` names that site, layer
   and position, with a one-ulp size;
-- a changed kernel in one layer (32-wide KV tiles in layer 1's attention, the handshake's
+- a changed kernel in one layer (8 accumulator lanes in layer 1's attention, the handshake's
   negative control): `locate` names exactly `layers.1.self_attn.core`;
 - the native arm (IsoExec off on both sides): a real first divergence, with equal sites
   before it.
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _faults import widen_attention_tile
+from _faults import narrow_attention_lanes
 
 from isoexec.contract import ops
 from isoexec.contract.locate import format_result, locate
@@ -119,7 +119,7 @@ def test_one_ulp_at_one_site_is_located_exactly(
     assert d.max_abs_diff is not None and 0 < d.max_abs_diff <= ulp
 
 
-def test_changed_tile_in_one_layer_is_located_there(
+def test_changed_lanes_in_one_layer_is_located_there(
     dense: str,
     engine_pool: Callable[..., Any],
     iso_engine_trace: Trace,
@@ -130,7 +130,7 @@ def test_changed_tile_in_one_layer_is_located_there(
     from isoexec.contract.cli import main
 
     core = fresh_trainer.decoder.layers[1].self_attention.core_attention
-    widen_attention_tile(core)
+    narrow_attention_lanes(core)
     engine = engine_pool(
         model=dense, dtype="float32", isoexec=True, max_num_batched_tokens=CHUNK, enforce_eager=True
     )  # tracing needs eager (module hooks)

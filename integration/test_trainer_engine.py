@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from _faults import widen_attention_tile
+from _faults import narrow_attention_lanes
 
 from isoexec.contract.pair import handshake, make_prompts, sample_and_score
 from isoexec.megatron import trainer_contract
@@ -132,14 +132,14 @@ def test_changed_site_is_refused_on_both_sides(
     engine = _engine(engine_pool, model_dir, "float32", True)
     trainer = trainer_factory(model_dir, "float32", fresh=True)
     core = trainer.decoder.layers[1].self_attention.core_attention
-    widen_attention_tile(core)
+    narrow_attention_lanes(core)
 
     contract = trainer_contract(trainer, _hf(model_dir), "float32")
     trainer_verdict, engine_verdict = handshake(contract, engine, run_id="changed-site")
     assert engine_verdict["outcome"] == "MISMATCH"
     assert not trainer_verdict.matched
     first = trainer_verdict.diff[0]
-    assert "layers.1.self_attn.core" in first and "kv_tile" in first, trainer_verdict.diff
+    assert "layers.1.self_attn.core" in first and "lanes" in first, trainer_verdict.diff
     with pytest.raises(ContractMismatchError):
         trainer_verdict.raise_for_mismatch()  # the trainer side refuses to sync
     with pytest.raises(EngineError, match="no MATCH from the handshake"):

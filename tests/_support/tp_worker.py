@@ -157,7 +157,7 @@ def every_stage_export(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
     """Every rank offers its own contract (trainer/<rank>) to the job's handshake service and
-    waits for the run's one verdict; `fault_rank` first widens that rank's attention tile in
+    waits for the run's one verdict; `fault_rank` first narrows that rank's attention lanes in
     its last layer (a deliberately changed site on one rank only)."""
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.megatron.contract_readback import trainer_contract
@@ -165,9 +165,9 @@ def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
     rank = dist.get_rank()
     if job.get("fault_rank") == rank:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "integration"))
-        from _faults import widen_attention_tile
+        from _faults import narrow_attention_lanes
 
-        widen_attention_tile(model.decoder.layers[-1].self_attention.core_attention)
+        narrow_attention_lanes(model.decoder.layers[-1].self_attention.core_attention)
     hs = job["handshake"]
     contract = trainer_contract(model, job["model"])
     with HandshakeClient(hs["address"], Path(hs["token_file"]).read_text()) as client:

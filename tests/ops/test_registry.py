@@ -45,10 +45,9 @@ def test_every_op_is_registered():
 
 def test_params_are_recorded_and_overrides_change_the_impl():
     assert REGISTRY["linear"].param_dict()["block_rows"] == "32"
-    assert REGISTRY["attention"].param_dict()["kv_tile"] == "128"
-    assert REGISTRY["attention"].param_dict()["block_rows"] == "32"
+    assert REGISTRY["attention"].param_dict()["lanes"] == "16"
     assert REGISTRY["linear_tp"].param_dict()["leaves"] == "8"
-    assert get_impl("attention", kv_tile=32) != REGISTRY["attention"]
+    assert get_impl("attention", lanes=8) != REGISTRY["attention"]
     with pytest.raises(KeyError):
         get_impl("attention", tile=32)
     with pytest.raises(KeyError):

@@ -3,7 +3,7 @@
 Every output row is computed by a reduction order that depends only on that row's own
 inputs and its absolute position (see docs/ops.md). Each op describes itself with an
 `ImplInfo` (id, version, backend, parameters, source fingerprint) for the contract:
-`get_impl(op)` gives the canonical one, `get_impl(op, kv_tile=32)` a variant with other
+`get_impl(op)` gives the canonical one, `get_impl(op, lanes=8)` a variant with other
 parameters (a different contract), and `REGISTRY` maps op name -> canonical `ImplInfo`.
 A GEMM op also records the library its GEMMs run (`gemm.gemm_library`) on the device and in
 the dtype a site runs: `get_impl(op, device=..., dtype=...)`.
@@ -11,6 +11,7 @@ the dtype a site runs: `get_impl(op, device=..., dtype=...)`.
 
 from __future__ import annotations
 
+import hashlib
 import sys
 from collections.abc import Callable
 from types import MappingProxyType, ModuleType
@@ -18,7 +19,7 @@ from types import MappingProxyType, ModuleType
 import torch
 
 from ..impl import ImplInfo, code_closure, source_fingerprint
-from . import _pointwise, activation, attention, gdn, gemm, logprobs, moe, norm, rope
+from . import _pointwise, activation, attention, cpu_kernels, gdn, gemm, logprobs, moe, norm, rope
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .gdn import gdn_conv, gdn_recurrence, gdn_sequence
@@ -83,29 +84,16 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
     "attention": (
-        "isoexec.attention.kvtile",
-        3,
+        "isoexec.attention.rowserial",
+        4,
         {
-            "kv_tile": attention.DEFAULT_KV_TILE,
-            "block_rows": attention.DEFAULT_BLOCK_ROWS,
-            "gemm": "fixed-shape-bmm-fp32",
+            "lanes": attention.DEFAULT_LANES,
+            "kernel": "cxx-vector-ext-nofma",
             "softmax": "fp32-exact-rowmax",
+            "exp": "cephes-deg6",
             "cache": "bs-hkv-d",
         },
-        (
-            attention._attend_fwd,
-            attention._row_range,
-            attention._varlen_fwd,
-            attention._padded_keys,
-            attention._zero_tail,
-            attention._as_tiles,
-            attention._block_ids,
-            attention._tiles_from_blocks,
-            attention._tiles_in_blocks,
-            attention.attention_varlen,
-            attention.attention_paged,
-            attention.gather_paged_kv,
-        ),
+        (attention.attention_varlen, attention.attention_paged, attention.gather_paged_kv),
     ),
     "logprobs": (
         "isoexec.logprobs.fp32",
@@ -172,7 +160,7 @@ def get_impl(
     dtype: torch.dtype = torch.float32,
     **params: object,
 ) -> ImplInfo:
-    """ImplInfo of the canonical `op`; keyword overrides (e.g. kv_tile=32) describe a
+    """ImplInfo of the canonical `op`; keyword overrides (e.g. lanes=8) describe a
     variant whose kernels were called with those parameters.
 
     `device`/`dtype`: where and in what the site runs. A GEMM op (`GEMM_DTYPES`) records
@@ -194,8 +182,17 @@ def get_impl(
 
 def _fingerprint(*entry_points: Callable[..., object]) -> str:
     """Source fingerprint of every ops module the entry points can execute (their modules and
-    the ops modules those use, `code_closure`): any edited helper changes it."""
-    return source_fingerprint(*code_closure(*entry_points, *_COMMON, package=__name__))
+    the ops modules those use, `code_closure`) and of the C++ sources of the compiled kernels
+    those modules load (`KERNEL_LIBRARIES`): any edited helper changes it."""
+    modules = code_closure(*entry_points, *_COMMON, package=__name__)
+    fp = source_fingerprint(*modules)
+    libs = sorted({lib for m in modules for lib in getattr(m, "KERNEL_LIBRARIES", ())})
+    if not libs:
+        return fp
+    h = hashlib.sha256(fp.encode())
+    for lib in libs:
+        h.update(b"\0" + cpu_kernels.source_text(lib).encode())
+    return h.hexdigest()[:32]
 
 
 REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType({op: get_impl(op) for op in _SPECS})

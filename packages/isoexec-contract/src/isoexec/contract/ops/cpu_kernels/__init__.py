@@ -1,0 +1,105 @@
+"""IsoExec's compiled CPU kernels: C++ sources built once per machine, loaded with ctypes.
+
+Why compiled, and why this way (docs/ops.md, "Compiled CPU kernels"): a fixed-order kernel
+must spell out its own reduction order, and only a compiled loop does that at native speed;
+torch ops hand the order to a BLAS whose blocking depends on the shape. The sources use GCC
+vector extensions with explicit lane counts and build with `-ffp-contract=off` and no
+fast-math, so the bits are the source's whatever the ISA, the vendor or the compiler's
+vectorization (`simd.h`). They include no torch or Python headers: a build takes about a
+second, so it happens at first use, into a per-machine cache keyed by the sources, the
+compiler and the CPU, under a file lock (parallel test workers and engine processes share
+one build). No compiler is a loud error: a canonical op never falls back to another kernel.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+_HERE = Path(__file__).resolve().parent
+# Every source a kernel library is built from, in order: part of each op's fingerprint.
+SOURCES: dict[str, tuple[str, ...]] = {
+    "attention": ("simd.h", "attention.cpp"),
+}
+CXX_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-march=native",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+)
+
+
+def source_text(name: str) -> str:
+    """The sources of library `name`, concatenated (what its bits are defined by)."""
+    return "\0".join((_HERE / f).read_text() for f in SOURCES[name])
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not cxx:
+        raise RuntimeError(
+            "IsoExec's canonical CPU kernels are C++ compiled at first use, and no C++ compiler "
+            "was found (set CXX, or install g++ / build-essential). IsoExec does not fall back "
+            "to a native kernel."
+        )
+    return cxx
+
+
+def _cpu_identity() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    keep = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    return "\n".join(keep)
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "isoexec" / "kernels"
+
+
+@cache
+def library(name: str) -> ctypes.CDLL:
+    """The built library `name` (built now if this machine has no build of these sources)."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    key = hashlib.sha256(
+        "\0".join(
+            [source_text(name), cxx, version.stdout, " ".join(CXX_FLAGS), _cpu_identity()]
+        ).encode()
+    ).hexdigest()[:20]
+    out_dir = _cache_dir()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    so = out_dir / f"{name}-{key}.so"
+    if not so.exists():
+        with open(out_dir / f"{name}-{key}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not so.exists():
+                tmp = so.with_suffix(f".{os.getpid()}.tmp")
+                src = [str(_HERE / f) for f in SOURCES[name] if f.endswith(".cpp")]
+                cmd = [cxx, *CXX_FLAGS, f"-I{_HERE}", *src, "-o", str(tmp)]
+                res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+                if res.returncode != 0:
+                    raise RuntimeError(
+                        f"building IsoExec's {name} CPU kernel failed ({' '.join(cmd)}):\n"
+                        f"{res.stderr[-4000:]}"
+                    )
+                os.replace(tmp, so)
+    return ctypes.CDLL(str(so))
+
+
+def ptr(t: object) -> ctypes.c_void_p:
+    """Address of a tensor's first element (None: a null pointer)."""
+    return ctypes.c_void_p(None if t is None else t.data_ptr())  # type: ignore[attr-defined]

@@ -1,0 +1,156 @@
+// Shared pieces of IsoExec's compiled CPU kernels.
+//
+// Why this file exists: a canonical kernel's bits must not depend on the batch, the thread
+// count, the CPU vendor or the SIMD width the compiler picks. So every floating-point
+// reduction here is written out with an explicit lane count (GCC vector extensions: a
+// `vf<16>` is 16 independent fp32 lanes whatever the ISA lowers it to: one AVX-512 op, two
+// AVX2 ops, four SSE ops), the lanes are combined by a fixed pairwise tree, and the build uses
+// -ffp-contract=off without -ffast-math: no FMA contraction, no reassociation. Transcendentals
+// are our own polynomial (no libm, no SVML), so the bits are the source's.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
+namespace isx {
+
+template <int L> struct VecT;
+template <> struct VecT<8> {
+  typedef float type __attribute__((vector_size(32)));
+  typedef int32_t itype __attribute__((vector_size(32)));
+  typedef uint32_t utype __attribute__((vector_size(32)));
+  typedef uint16_t htype __attribute__((vector_size(16)));
+  typedef _Float16 ftype16 __attribute__((vector_size(16)));
+};
+template <> struct VecT<16> {
+  typedef float type __attribute__((vector_size(64)));
+  typedef int32_t itype __attribute__((vector_size(64)));
+  typedef uint32_t utype __attribute__((vector_size(64)));
+  typedef uint16_t htype __attribute__((vector_size(32)));
+  typedef _Float16 ftype16 __attribute__((vector_size(32)));
+};
+template <int L> using vf = typename VecT<L>::type;
+template <int L> using vi = typename VecT<L>::itype;
+
+enum DType : int { F32 = 0, BF16 = 1, F16 = 2 };
+
+// Exact conversions to fp32 (bf16 and fp16 embed in fp32).
+static inline float to_f32(float x) { return x; }
+static inline float to_f32(uint16_t bits_bf16) {
+  uint32_t w = uint32_t(bits_bf16) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+static inline float to_f32(_Float16 x) { return float(x); }
+
+template <int L> static inline vf<L> load(const float* p) {
+  vf<L> v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+template <int L> static inline vf<L> load(const uint16_t* p) {
+  typedef typename VecT<L>::htype h_t;
+  typedef typename VecT<L>::utype w_t;
+  h_t h;
+  std::memcpy(&h, p, sizeof(h));
+  w_t w = __builtin_convertvector(h, w_t) << 16;
+  vf<L> v;
+  std::memcpy(&v, &w, sizeof(v));
+  return v;
+}
+template <int L> static inline vf<L> load(const _Float16* p) {
+  typedef typename VecT<L>::ftype16 h_t;
+  h_t h;
+  std::memcpy(&h, p, sizeof(h));
+  return __builtin_convertvector(h, vf<L>);
+}
+template <int L> static inline void store(float* p, vf<L> v) { std::memcpy(p, &v, sizeof(v)); }
+template <int L> static inline vf<L> splat(float x) {
+  vf<L> v;
+  for (int i = 0; i < L; ++i) v[i] = x;
+  return v;
+}
+
+// Fixed pairwise tree over the lanes: (l, l + L/2) first, then halves again.
+template <int L> static inline float tree_sum(vf<L> v) {
+  float a[L];
+  std::memcpy(a, &v, sizeof(a));
+  for (int w = L / 2; w >= 1; w /= 2)
+    for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+  return a[0];
+}
+
+// Canonical exp for x <= 0 (softmax exponents), per lane: Cephes-style range reduction and
+// degree-6 polynomial, about 1 ulp. x < -87 gives 0 (below fp32's normal range); -inf gives 0.
+template <int L> static inline vf<L> exp_nonpos(vf<L> x) {
+  const vf<L> lo = splat<L>(-87.0f);
+  vi<L> keep = x >= lo;
+  x = x < lo ? lo : x;  // keep the arithmetic finite; masked to 0 below
+  vf<L> t = x * splat<L>(1.44269504088896341f);
+  vf<L> n = (t + splat<L>(12582912.0f)) - splat<L>(12582912.0f);  // round to nearest even
+  vf<L> r = x - n * splat<L>(0.693359375f);
+  r = r - n * splat<L>(-2.12194440e-4f);
+  vf<L> z = r * r;
+  vf<L> y = splat<L>(1.9875691500e-4f);
+  y = y * r + splat<L>(1.3981999507e-3f);
+  y = y * r + splat<L>(8.3334519073e-3f);
+  y = y * r + splat<L>(4.1665795894e-2f);
+  y = y * r + splat<L>(1.6666665459e-1f);
+  y = y * r + splat<L>(5.0000001201e-1f);
+  y = y * z + r + splat<L>(1.0f);
+  vi<L> e = (__builtin_convertvector(n, vi<L>) + 127) << 23;
+  vf<L> scale;
+  std::memcpy(&scale, &e, sizeof(scale));
+  vf<L> out = y * scale;
+  vi<L> bits;
+  std::memcpy(&bits, &out, sizeof(bits));
+  bits = bits & keep;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// IEEE default floating-point environment for the duration of a kernel (no flush-to-zero,
+// no denormals-are-zero, round to nearest): a caller's thread may have set FTZ, and new
+// threads start with the default, so every thread pins it.
+struct FpEnv {
+#if defined(__x86_64__)
+  unsigned saved;
+  FpEnv() : saved(_mm_getcsr()) { _mm_setcsr(0x1F80); }
+  ~FpEnv() { _mm_setcsr(saved); }
+#endif
+};
+
+// Run fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Each item is
+// computed whole by one thread, so the thread count and the item-to-thread assignment never
+// change a bit; items are handed out in chunks from an atomic counter (load balance).
+template <class F> static void parallel_items(int64_t n, int threads, int64_t chunk, F fn) {
+  if (threads > n / chunk) threads = int(n / chunk);
+  if (threads <= 1) {
+    FpEnv env;
+    for (int64_t i = 0; i < n; ++i) fn(i, 0);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  auto work = [&](int worker) {
+    FpEnv env;
+    for (;;) {
+      int64_t s = next.fetch_add(chunk);
+      if (s >= n) break;
+      int64_t e = s + chunk < n ? s + chunk : n;
+      for (int64_t i = s; i < e; ++i) fn(i, worker);
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
+  work(0);
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace isx
