@@ -101,6 +101,19 @@ def test_backward_attention_logprobs() -> None:
     )
 
 
+def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the torch backend's compiled CPU kernels cannot run, so a Triton op's backward
+    must differentiate a device-agnostic reference: with the kernels made unavailable, the
+    attention backward still gives the float64 gradients."""
+    from isoexec.contract.ops import cpu_kernels
+
+    def unavailable(name: str) -> None:
+        raise RuntimeError(f"the {name} CPU kernel was called from a Triton backward")
+
+    monkeypatch.setattr(cpu_kernels, "library", unavailable)
+    test_backward_attention_logprobs()
+
+
 def test_backward_gdn_matches_torch_op() -> None:
     from isoexec.contract.ops import gdn_recurrence
 

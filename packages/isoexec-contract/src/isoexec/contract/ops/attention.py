@@ -202,6 +202,39 @@ class _AttendVarlen(torch.autograd.Function):
         return dq, dk, dv, None, None, None
 
 
+class _PlainVarlen(torch.autograd.Function):
+    """Forward: plain fp32 torch softmax attention (any device, not the canonical bits).
+    Backward: the same recompute as `_AttendVarlen`'s."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, scale):
+        out = torch.empty(q.shape[0], q.shape[1], v.shape[2], dtype=torch.float32, device=q.device)
+        g = q.shape[1] // k.shape[1]
+        for b in range(len(cu) - 1):
+            s, e = cu[b], cu[b + 1]
+            qq = q[s:e].float().transpose(0, 1)
+            kk = k[s:e].float().repeat_interleave(g, 1).transpose(0, 1)
+            vv = v[s:e].float().repeat_interleave(g, 1).transpose(0, 1)
+            sc = (qq @ kk.transpose(1, 2)) * scale
+            mask = torch.ones(e - s, e - s, dtype=torch.bool, device=q.device).triu(1)
+            out[s:e] = (sc.masked_fill(mask, float("-inf")).softmax(-1) @ vv).transpose(0, 1)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.cu, ctx.scale = cu, scale
+        return out
+
+    backward = _AttendVarlen.backward
+
+
+def attention_varlen_grad_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, *, scale: float
+) -> torch.Tensor:
+    """What another backend's attention differentiates through (the Triton backend on CUDA,
+    where the compiled CPU kernel cannot run): the same gradients as `attention_varlen`'s, with
+    a plain torch forward on any device. Its forward values are not the canonical bits."""
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    return _PlainVarlen.apply(q, k, v, cu, scale).to(q.dtype)
+
+
 def attention_varlen(
     q: torch.Tensor,
     k: torch.Tensor,

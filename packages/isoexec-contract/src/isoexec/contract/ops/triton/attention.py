@@ -202,7 +202,7 @@ def attention_varlen(
         )
 
     def ref(qq: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
-        return _torch_attn.attention_varlen(qq, kk, vv, cu_seqlens, scale=scale, kv_tile=kv_tile)
+        return _torch_attn.attention_varlen_grad_reference(qq, kk, vv, cu_seqlens, scale=scale)
 
     return with_torch_backward(run, ref, q, k, v)  # type: ignore[return-value]
 
