@@ -67,6 +67,20 @@ def _err(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> float:
     return float(((a64 - b64).abs() / (atol + rtol * b64.abs())).max())
 
 
+def _on_cpu(fn: Callable[..., object]) -> Callable[..., object]:
+    """`fn` (a torch canonical op) run on CPU copies of its tensor arguments: the accuracy
+    reference on any device (attention, MoE experts and the GDN recurrence are compiled CPU
+    kernels; `_err` compares on the CPU)."""
+
+    def run(*args: object, **kw: object) -> object:
+        def mv(t: object) -> object:
+            return t.cpu() if isinstance(t, torch.Tensor) else t
+
+        return fn(*map(mv, args), **{k: mv(v) for k, v in kw.items()})
+
+    return run
+
+
 def _rand(g: torch.Generator, *shape: int, dtype: torch.dtype, device: str, s: float = 1.0):
     return (torch.randn(*shape, generator=g) * s).to(dtype).to(device)
 
@@ -289,12 +303,12 @@ def check_attention(device: str, dtype: torch.dtype, scale: int = 1) -> CheckRes
     )
     if not torch.equal(chunk, packed[9:n0]):
         bad.append("chunk != prefill")
-    err = _err(packed, t_attn.attention_varlen(q, k, v, cu, scale=sc), dtype)
+    err = _err(packed, _on_cpu(t_attn.attention_varlen)(q, k, v, cu, scale=sc), dtype)
     err = max(
         err,
         _err(
             chunk,
-            t_attn.attention_paged(
+            _on_cpu(t_attn.attention_paged)(
                 q[9:n0], kc, vc, bt, lens_t, torch.tensor([0, n0 - 9], device=device), scale=sc
             ),
             dtype,
@@ -393,7 +407,7 @@ def check_moe_combine(device: str, dtype: torch.dtype, scale: int = 1) -> CheckR
     y = fn(x, w, ids)
     if not torch.equal(fn(x, w.flip(-1), ids.flip(-1)), y):
         bad.append("slot order changes bits")
-    err = _err(y, t_moe.moe_combine(x, w, ids, w13, w2, **kw), dtype)
+    err = _err(y, _on_cpu(t_moe.moe_combine)(x, w, ids, w13, w2, **kw), dtype)
     return CheckResult("moe_combine", str(dtype), not bad, err, ", ".join(map(str, bad)))
 
 
@@ -443,7 +457,7 @@ def check_gdn_recurrence(device: str, dtype: torch.dtype, scale: int = 1) -> Che
         outs.append(oi)
     if not (torch.equal(torch.cat(outs, 1), o) and s is not None and torch.equal(s, st)):
         bad.append("decode != prefill")
-    to, tst = t_gdn.gdn_recurrence(q, k, v, a, bb, alog, dtb)
+    to, tst = _on_cpu(t_gdn.gdn_recurrence)(q, k, v, a, bb, alog, dtb)
     err = max(_err(o, to, dtype), _err(st, tst, torch.float32))
     return CheckResult("gdn_recurrence", str(dtype), not bad, err, ", ".join(bad))
 
