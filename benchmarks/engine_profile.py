@@ -29,8 +29,7 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overhead import PROMPT_LEN, SIZES, kv_cache_bytes, make_model
+from isoexec.contract.bench import PROMPT_LEN, SIZES, kv_cache_bytes, make_model
 
 ARMS = ("isoexec", "native")
 

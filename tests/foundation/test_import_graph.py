@@ -1,8 +1,9 @@
 """The contract package declares neither framework, so it must never import one.
 
-One entry point is the exception: `isoexec pair` (`pair.py`, `pair_setup.py`, `pair_steps.py`)
-runs a trainer and an engine side by side; it imports both lazily, inside functions, after
-`pair.missing_sides()` has named any missing package (tests/contract/test_cli.py).
+Two entry points are the exception: `isoexec pair` (`pair.py`, `pair_setup.py`,
+`pair_steps.py`) and `isoexec bench` (`bench.py`) run a trainer and an engine side by side; they
+import both lazily, inside functions, after `pair.missing_sides()` has named any missing package
+(tests/contract/test_cli.py, tests/contract/test_bench.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from pathlib import Path
 
 CONTRACT = Path(__file__).parents[2] / "packages" / "isoexec-contract" / "src" / "isoexec"
 FORBIDDEN = ("megatron", "vllm", "isoexec.megatron", "isoexec.vllm")
-PAIR_ENTRY = {"contract/pair.py", "contract/pair_setup.py", "contract/pair_steps.py"}
+PAIR_ENTRY = {"contract/pair.py", "contract/pair_setup.py", "contract/pair_steps.py",
+              "contract/bench.py"}  # fmt: skip
 
 
 def _imports(tree: ast.AST) -> list[tuple[int, str, bool]]:

@@ -40,6 +40,18 @@ def test_engine_start_failure_leaves_nothing(tmp_path) -> None:
     assert engine_process._LIVE_GROUPS == live_before
 
 
+def test_start_engines_failure_leaves_nothing(tmp_path) -> None:
+    """`start_engines` (several engines starting at once, `isoexec bench`): one failing start
+    closes every engine it started, still starting or not, and raises the error."""
+    from isoexec.vllm import engine_process
+
+    live_before = set(engine_process._LIVE_GROUPS)
+    configs = [EngineConfig(model=str(tmp_path / name)) for name in ("missing-a", "missing-b")]
+    with pytest.raises(Exception, match=r"config|No such|not a valid|does not appear"):
+        engine_process.start_engines(configs, start_timeout_s=600)
+    assert engine_process._LIVE_GROUPS == live_before
+
+
 def test_logprobs_mode_drift_is_refused_at_startup(tiny_dense_dir: str) -> None:
     """An IsoExec engine whose vLLM logprobs mode (raw) is not the one its IsoExec options name
     (processed, which the trainer takes) refuses to start, and leaves no process behind."""

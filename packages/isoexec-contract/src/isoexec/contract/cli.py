@@ -18,6 +18,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("handshake", "isoexec.contract.handshake.cli", "serve or use the contract handshake"),
     ("pair", "isoexec.contract.pair", "trainer vs engine, bitwise, IsoExec on and off"),
     ("locate", "isoexec.contract.cli_locate", "first divergent site between two traces"),
+    ("bench", "isoexec.contract.bench", "IsoExec's overhead: engine tok/s, trainer ms/token"),
     ("engine", "isoexec.vllm.serve", "vLLM's OpenAI server with IsoExec (engine serve)"),
 ]
 

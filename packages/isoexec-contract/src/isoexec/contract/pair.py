@@ -373,12 +373,13 @@ SIDES = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-me
          ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
 
 
-def missing_sides() -> list[str]:
-    """The packages to install before `isoexec pair` can run (empty when both sides are)."""
+def missing_sides(sides: tuple[tuple[str, str], ...] = SIDES) -> list[str]:
+    """The packages to install before `isoexec pair` can run (empty when both sides are);
+    `sides`: other (import name, distribution) pairs (`isoexec bench --no-trainer`)."""
     import importlib.util
 
     missing: list[str] = []
-    for module, dist in SIDES:
+    for module, dist in sides:
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):

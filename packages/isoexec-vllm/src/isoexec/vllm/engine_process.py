@@ -91,7 +91,9 @@ class EngineError(RuntimeError):
 class EngineProcess:
     """Owner handle of one vLLM engine child. Use as a context manager."""
 
-    def __init__(self, config: EngineConfig, *, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, config: EngineConfig, *, start_timeout_s: float = 600.0, _wait: bool = True
+    ) -> None:
         self.config = config
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
@@ -101,8 +103,12 @@ class EngineProcess:
         self.pid: int = self._proc.pid
         _LIVE_GROUPS.add(self.pid)
         child_conn.close()
+        if _wait:  # `start_engines` waits itself, for several at once
+            self._ready_or_close(start_timeout_s)
+
+    def _ready_or_close(self, timeout_s: float) -> None:
         try:
-            self._expect_ready(start_timeout_s)
+            self._expect_ready(timeout_s)
         except BaseException:
             self.close()
             raise
@@ -164,6 +170,27 @@ class EngineProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def start_engines(
+    configs: list[EngineConfig], *, start_timeout_s: float = 600.0
+) -> list[EngineProcess]:
+    """Several engines started at once (their start-ups overlap), returned when all are ready;
+    if one fails (or an interrupt comes) all are closed and the error is raised. Started from
+    this thread: the children's parent-death signal follows the thread that started them, so
+    engines must not be started from a short-lived worker thread."""
+    engines: list[EngineProcess] = []
+    try:
+        for cfg in configs:
+            engines.append(EngineProcess(cfg, start_timeout_s=start_timeout_s, _wait=False))
+        deadline = time.monotonic() + start_timeout_s
+        for eng in engines:
+            eng._expect_ready(max(0.0, deadline - time.monotonic()))
+    except BaseException:
+        for eng in engines:
+            eng.close()
+        raise
+    return engines
 
 
 def kill_group(pgid: int) -> None:

@@ -1,0 +1,411 @@
+"""`isoexec bench`: IsoExec's overhead against native, side by side, measured in one run.
+
+Engine: generation throughput (tokens/s) of a real vLLM with IsoExec on and off, both engines
+alive at once and called in alternation (medians of `--reps`), so machine drift hits both arms
+alike; in vLLM's default compiled mode (`--mode default`), eager (`--mode eager`) or both.
+Trainer: forward+backward time per token of a real Megatron model, IsoExec vs native,
+alternated, on the sequences the IsoExec engine generated (prompt + completion); then a per-op
+profile of the IsoExec trainer step (time inside each canonical forward op).
+`benchmarks/engine_profile.py` profiles the engine the same way.
+
+    isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium] [--reps N]
+                  [--mode default|eager|both] [--dtype float32|bfloat16] [--no-trainer]
+                  [--out DIR]
+
+Writes `DIR/bench.json` and `DIR/bench.png` (`bench_report`), prints the overheads (engine =
+native tok/s / IsoExec tok/s; trainer = IsoExec ms/token / native ms/token) and the machine.
+
+Sizes: `medium` is the issue's model (hidden 768, 8 layers, vocab 32k, 32 prompts x 128 new
+tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 prompts x 32) fits a 2-core machine;
+`tiny` (hidden 128, 2 layers, vocab 1k, 2 prompts x 8) checks that the command works. The GDN
+family is Qwen3-Next-like (GDN + gated attention + MoE with a shared expert) with 128-wide GDN
+heads in bf16: stock vLLM-CPU's GDN kernel runs only that (bf16, head dim 64/128).
+
+vLLM and Megatron are imported inside functions, after `missing_sides` has named any missing
+package: the contract package never imports a framework at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from isoexec.contract.bench_report import (
+    ARMS,
+    MODE_LABELS,
+    PROFILE_TOTAL,
+    engine_result,
+    machine_info,
+    summary_lines,
+    trainer_result,
+    write_plot,
+    write_results,
+)
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 128, "layers": 2, "vocab": 1024, "prompts": 2, "tokens": 8},
+    "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
+    "medium": {"hidden": 768, "layers": 8, "vocab": 32768, "prompts": 32, "tokens": 128},
+}
+FAMILIES = ("dense", "moe", "gdn")
+MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eager")}
+DTYPES = ("float32", "bfloat16")
+PROMPT_LEN = 32
+DEFAULT_OUT = "isoexec-bench"
+# The canonical forward ops timed by the trainer's op profile.
+PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
+                "attention_varlen", "token_logprobs", "moe_combine", "moe_router",
+                "gdn_sequence", "gated_rms_norm")  # fmt: skip
+# (import name, distribution to install), as `pair.SIDES`: the engine side, then the trainer's.
+ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
+               ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
+TRAINER_SIDE = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"))
+
+
+class BenchSetupError(ValueError):
+    """A benchmark that cannot run as asked (refused before anything starts)."""
+
+
+def resolve_dtype(family: str, dtype: str | None) -> str:
+    """The dtype to run: as asked, else float32 (bfloat16 for GDN); GDN refuses float32."""
+    if family not in FAMILIES:
+        raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BenchSetupError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    chosen = dtype or ("bfloat16" if family == "gdn" else "float32")
+    if family == "gdn" and chosen != "bfloat16":
+        raise BenchSetupError(
+            "--family gdn runs in bfloat16 only: stock vLLM-CPU's GDN kernel (the native arm) "
+            "takes bf16 and GDN head dims 64/128; drop --dtype or pass --dtype bfloat16"
+        )
+    return chosen
+
+
+def kv_cache_bytes(prompts: int, tokens: int) -> int:
+    """KV for every sequence at once (the tests' small default would preempt at the medium
+    size): 64 KiB per token covers the models here."""
+    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+
+
+def make_model(
+    out: Path, hidden: int, layers: int, vocab: int, family: str = "dense", dtype: str = "float32"
+) -> Path:
+    """A random Qwen3-style checkpoint of this shape (`tiny_models` presets, overridden)."""
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    heads = max(2, hidden // 128)
+    overrides: dict[str, Any] = {
+        "hidden_size": hidden,
+        "intermediate_size": 3 * hidden,
+        "num_hidden_layers": layers,
+        "vocab_size": vocab,
+        "num_attention_heads": heads,
+        "num_key_value_heads": max(1, heads // 2),
+        "head_dim": 128,
+    }
+    if family in ("moe", "gdn"):  # 8 experts, top-2, expert width hidden / 2
+        overrides.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=hidden // 2)
+    if family == "gdn":  # Qwen3-Next: 3 GDN layers per gated attention layer, shared expert
+        overrides.update(
+            shared_expert_intermediate_size=hidden // 2,
+            # every 4th layer and the last one attend (under 4 layers: the last one only)
+            layer_types=[
+                "full_attention" if (i + 1) % 4 == 0 or i == layers - 1 else "linear_attention"
+                for i in range(layers)
+            ],
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=max(1, heads // 2),
+            linear_num_value_heads=heads,
+        )
+    preset = {"dense": "tiny-dense", "moe": "tiny-moe", "gdn": "tiny-gdn"}.get(family)
+    if preset is None:
+        raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    return make_tiny_model(preset, out, dtype=dtype, overrides=overrides)
+
+
+def make_prompts(prompts: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    high = min(1000, vocab)
+    return [torch.randint(high, (PROMPT_LEN,), generator=gen).tolist() for _ in range(prompts)]
+
+
+def bench_engine(
+    model: Path,
+    batch: list[list[int]],
+    tokens: int,
+    reps: int,
+    dtype: str,
+    *,
+    mode: str = "default",
+    log_dir: Path | None = None,
+) -> tuple[dict[str, Any], list[list[int]]]:
+    """Engine throughput both ways, both arms in the same mode ("default": vLLM's compiled
+    mode; "eager"); also returns the IsoExec arm's sequences (prompt + completion, for the
+    trainer). Both engines live in `EngineProcess` context managers: shut down whatever
+    happens."""
+    from isoexec.vllm.engine_process import EngineConfig, SamplingSpec
+
+    spec = SamplingSpec(max_tokens=tokens, temperature=1.0)
+    kv = kv_cache_bytes(len(batch), tokens)
+    eager = mode == "eager"
+
+    def config(arm: str) -> EngineConfig:
+        log = None if log_dir is None else str(log_dir / f"engine-{arm}-{mode}.log")
+        return EngineConfig(model=str(model), dtype=dtype, isoexec=arm == "isoexec",
+                            kv_cache_bytes=kv, enforce_eager=eager, log_file=log)  # fmt: skip
+
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    seqs: list[list[int]] = []
+    _progress(mode, "starting the IsoExec and the native engine")
+    t0 = time.monotonic()
+    with started_engines({arm: config(arm) for arm in ARMS}) as engines:
+        _progress(mode, f"engines ready in {time.monotonic() - t0:.1f} s; warming up")
+        warm = SamplingSpec(max_tokens=min(tokens, 8), temperature=1.0)
+        for eng in engines.values():  # the timed batch's shapes, prefill and decode
+            eng.generate(batch, warm)
+        for rep in range(reps):
+            for arm, eng in engines.items():
+                eng.call("reset_prefix_cache")
+                t = time.perf_counter()
+                out = eng.generate(batch, spec)
+                times[arm].append(time.perf_counter() - t)
+                if arm == "isoexec":
+                    seqs = [p + list(c.token_ids) for p, c in zip(batch, out, strict=True)]
+            _progress(mode, f"rep {rep + 1}/{reps}: " + ", ".join(
+                f"{arm} {times[arm][-1]:.2f} s" for arm in ARMS))  # fmt: skip
+    generated = sum(len(s) for s in seqs) - sum(len(p) for p in batch)
+    return engine_result(times, generated or len(batch) * tokens, mode), seqs
+
+
+@contextlib.contextmanager
+def started_engines(configs: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    """One `EngineProcess` per config, started at once (engine start-up is most of a short
+    run's time: `start_engines` overlaps them), each held as a context manager: all are shut
+    down on exit, on success, failure or interrupt."""
+    from isoexec.vllm.engine_process import start_engines
+
+    with contextlib.ExitStack() as stack:
+        started = start_engines(list(configs.values()))
+        engines = {arm: stack.enter_context(e) for arm, e in zip(configs, started, strict=True)}
+        yield engines
+
+
+def bench_trainer(
+    model_dir: Path, data: Sequence[Sequence[int]], reps: int, dtype: str
+) -> dict[str, Any]:
+    """Forward+backward (no optimizer step) of a real Megatron model, IsoExec vs native,
+    alternated, on `data`; then the IsoExec step's per-op profile."""
+    import torch
+
+    from isoexec.megatron import build_model, load_hf_weights, megatron_parallel, policy_logprobs
+
+    seqs = [torch.tensor(list(s)) for s in data]
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    with megatron_parallel():
+        models = {}
+        for arm in ARMS:
+            models[arm] = build_model(
+                str(model_dir), isoexec=arm == "isoexec", dtype=getattr(torch, dtype)
+            )
+            load_hf_weights(models[arm], str(model_dir))
+
+        def step(m: Any) -> None:
+            m.zero_grad(set_to_none=True)
+            loss = -torch.cat(policy_logprobs(m, seqs)).mean()
+            loss.backward()
+
+        for m in models.values():
+            step(m)  # warm-up
+        for _ in range(reps):
+            for arm, m in models.items():
+                t = time.perf_counter()
+                step(m)
+                times[arm].append(time.perf_counter() - t)
+        profile = op_profile(lambda: step(models["isoexec"]))
+    return trainer_result(times, sum(len(s) - 1 for s in seqs), profile)
+
+
+def op_profile(fn: Callable[[], Any]) -> dict[str, float]:
+    """Seconds spent inside each canonical op during one call of `fn` (forward ops only), and
+    the whole call under `PROFILE_TOTAL`."""
+    from isoexec.contract import ops
+
+    spent: dict[str, float] = defaultdict(float)
+    saved = {n: getattr(ops, n) for n in PROFILED_OPS if hasattr(ops, n)}
+
+    def timed(name: str, f: Any) -> Any:
+        @functools.wraps(f)
+        def wrapper(*a: Any, **k: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                spent[name] += time.perf_counter() - t
+
+        return wrapper
+
+    try:
+        for n, f in saved.items():
+            setattr(ops, n, timed(n, f))
+        t = time.perf_counter()
+        fn()
+        spent[PROFILE_TOTAL] = time.perf_counter() - t
+    finally:
+        for n, f in saved.items():
+            setattr(ops, n, f)
+    return dict(spent)
+
+
+def _progress(what: str, line: str) -> None:
+    print(f"isoexec bench [{what}]: {line}", flush=True)
+
+
+def add_parser(sub: Any) -> argparse.ArgumentParser:
+    p = sub.add_parser(
+        "bench",
+        help="IsoExec's overhead: engine tokens/s and trainer ms/token, IsoExec vs native",
+        description="IsoExec vs native, side by side in one run (alternated, medians): engine "
+        "generation tokens/s and trainer forward+backward ms/token; writes DIR/bench.json and "
+        "DIR/bench.png. Overheads: engine = native tok/s / IsoExec tok/s, trainer = IsoExec "
+        "ms/token / native ms/token.",
+    )
+    p.add_argument(
+        "--family",
+        choices=FAMILIES,
+        default="dense",
+        help="dense (Qwen3), moe (Qwen3-MoE) or gdn (Qwen3-Next-like, bf16)",
+    )
+    p.add_argument(
+        "--size",
+        choices=tuple(SIZES),
+        default="small",
+        help="tiny: hidden 128, 2 layers, 2 prompts x 8 tokens (checks the command); small: "
+        "hidden 512, 4 layers, 8 x 32; medium: hidden 768, 8 layers, 32 x 128",
+    )
+    p.add_argument("--reps", type=int, default=3, help="timed reps per arm (the median counts)")
+    p.add_argument(
+        "--mode",
+        choices=tuple(MODES),
+        default="default",
+        help="engine mode of both arms: default (vLLM's compiled mode), eager, or both",
+    )
+    p.add_argument("--dtype", choices=DTYPES, default=None,
+                   help="float32 (default), bfloat16 (GDN's only dtype)")  # fmt: skip
+    p.add_argument("--no-trainer", action="store_true", help="the engine only")
+    p.add_argument("--out", default=DEFAULT_OUT, help="where bench.json and bench.png go")
+    p.add_argument("--verbose", action="store_true",
+                   help="show the engines' and the trainer's own logs (by default the engine "
+                   "logs go to DIR/engine-ARM-MODE.log; errors always show)")  # fmt: skip
+    return p
+
+
+def missing_sides(trainer: bool) -> list[str]:
+    from isoexec.contract.pair import missing_sides as missing
+
+    return missing(ENGINE_SIDE + (TRAINER_SIDE if trainer else ()))
+
+
+def run(args: argparse.Namespace) -> int:
+    try:  # before anything starts
+        dtype = resolve_dtype(args.family, args.dtype)
+        if args.reps < 1:
+            raise BenchSetupError(f"--reps {args.reps}: at least 1")
+    except BenchSetupError as e:
+        print(f"isoexec bench: {e}", flush=True)
+        return 2
+    trainer = not args.no_trainer
+    missing = missing_sides(trainer)
+    if missing:
+        print(
+            "isoexec bench runs a real engine"
+            + (" and a real trainer" if trainer else "")
+            + f"; missing: {'; '.join(missing)}",
+            flush=True,
+        )
+        return 2
+    if not args.verbose:  # the trainer side's own chatter (Megatron's warnings)
+        import logging
+        import warnings
+
+        warnings.filterwarnings("ignore")
+        logging.getLogger("megatron").setLevel(logging.ERROR)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    size = SIZES[args.size]
+    modes = MODES[args.mode]
+    batch = make_prompts(size["prompts"], size["vocab"])
+    engine: dict[str, Any] = {}
+    trainer_doc: dict[str, Any] | None = None
+    with tempfile.TemporaryDirectory(prefix="isoexec-bench-") as tmp:
+        model = make_model(Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"],
+                           args.family, dtype)  # fmt: skip
+        seqs: list[list[int]] = []
+        for mode in modes:
+            engine[mode], got = bench_engine(
+                model, batch, size["tokens"], args.reps, dtype, mode=mode,
+                log_dir=None if args.verbose else out,
+            )  # fmt: skip
+            seqs = seqs or got
+            e = engine[mode]
+            _progress(mode, f"engine overhead {e['overhead']:.2f}x ({MODE_LABELS[mode]})")
+        if trainer:
+            _progress("trainer", "building the IsoExec and the native Megatron model")
+            trainer_doc = bench_trainer(model, seqs, args.reps, dtype)
+    settings = {
+        "family": args.family, "size": args.size, "dtype": dtype, "reps": args.reps,
+        "mode": args.mode, "modes": list(modes), "trainer": trainer, "prompt_len": PROMPT_LEN,
+        **size,
+    }  # fmt: skip
+    doc = {"settings": settings, "machine": machine_info(), "engine": engine,
+           "trainer": trainer_doc}  # fmt: skip
+    print("\n".join(summary_lines(doc)), flush=True)
+    print(f"isoexec bench: results in {write_results(out, doc)}", flush=True)
+    plot = write_plot(out, doc)
+    if plot is None:
+        print("isoexec bench: no plot (matplotlib is not installed: isoexec-contract[report])")
+    else:
+        print(f"isoexec bench: plot in {plot}", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`isoexec bench ARGS` (for `python -m isoexec.contract.bench` and benchmarks/)."""
+    import sys
+
+    from isoexec.contract import cli
+
+    return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())
+
+__all__ = [
+    "DEFAULT_OUT",
+    "FAMILIES",
+    "MODES",
+    "PROMPT_LEN",
+    "SIZES",
+    "BenchSetupError",
+    "add_parser",
+    "bench_engine",
+    "bench_trainer",
+    "kv_cache_bytes",
+    "make_model",
+    "make_prompts",
+    "op_profile",
+    "resolve_dtype",
+    "run",
+]
