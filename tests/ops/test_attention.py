@@ -356,3 +356,19 @@ def test_paged_block_size_same_bits(dtype):
     got = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
     assert torch.equal(got, ref)
     assert not got.isnan().any()
+
+
+def test_strided_inputs_read_in_place_same_bits():
+    """q/k/v as column slices of one wider projection (what a fused QKV or a gated q gives):
+    the kernel reads them through their strides, with the bits of contiguous copies."""
+    t = 40
+    g = torch.Generator().manual_seed(51)
+    wide = torch.randn(t, (H + 2 * HKV) * D + 7, generator=g)
+    q = wide[:, : H * D].view(t, H, D)
+    k = wide[:, H * D : (H + HKV) * D].view(t, HKV, D)
+    v = wide[:, (H + HKV) * D : (H + 2 * HKV) * D].view(t, HKV, D)
+    assert not k.is_contiguous() and not v.is_contiguous()
+    cu = torch.tensor([0, 17, t])
+    got = attention_varlen(q, k, v, cu, scale=SCALE)
+    want = attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, scale=SCALE)
+    assert torch.equal(got, want)

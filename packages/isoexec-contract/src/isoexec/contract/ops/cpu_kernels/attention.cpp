@@ -27,7 +27,7 @@ struct Args {
   const void* v; int64_t v_sb, v_ss, v_sh;
   int64_t block_size;
   const int32_t* block_table; int64_t bt_stride;  // null: packed keys
-  const int64_t* key_start;                       // packed: key j of request r is row key_start[r] + j
+  const int64_t* key_start;                       // packed: key j of request r is row key_start[r] + j (row stride: the block stride)
   const int64_t* q_req;
   const int64_t* q_pos;
   float scale;
@@ -37,7 +37,7 @@ struct Args {
 template <class KT>
 static inline const KT* row_ptr(const Args& a, const KT* base, int64_t sb, int64_t ss, int64_t sh,
                                 int64_t r, int64_t j, int64_t hk) {
-  if (a.block_table == nullptr) return base + (a.key_start[r] + j) * ss + hk * sh;
+  if (a.block_table == nullptr) return base + (a.key_start[r] + j) * sb + hk * sh;
   const int64_t blk = a.block_table[r * a.bt_stride + j / a.block_size];
   return base + blk * sb + (j % a.block_size) * ss + hk * sh;
 }

@@ -72,10 +72,10 @@ template <int L> static inline vf<L> load(const _Float16* p) {
   return __builtin_convertvector(h, vf<L>);
 }
 template <int L> static inline void store(float* p, vf<L> v) { std::memcpy(p, &v, sizeof(v)); }
+// x in every lane (one broadcast instruction; a per-lane loop compiles to L inserts).
 template <int L> static inline vf<L> splat(float x) {
-  vf<L> v;
-  for (int i = 0; i < L; ++i) v[i] = x;
-  return v;
+  vf<L> v = {x};
+  return __builtin_shuffle(v, vi<L>{});
 }
 
 // Fixed pairwise tree over the lanes: (l, l + L/2) first, then halves again.
