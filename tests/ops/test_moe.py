@@ -1,5 +1,6 @@
 """MoE: router ties and renormalisation, a token's output independent of which other tokens
-share its experts (and of threads), accuracy, backward; native F.linear experts differ."""
+share its experts (and of threads), accuracy, backward; native F.linear experts and v1's
+32-row oneDNN blocks differ; the grouped GEMM kernel's bits are its source's."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from _ops_testlib import assert_grads_match_float64, assert_row_invariant, assert_row_variant
 
-from isoexec.contract.ops import moe_combine, moe_router, moe_weighted_sum
+from isoexec.contract.ops import moe_combine, moe_experts, moe_router, moe_weighted_sum
 
 E, TOPK, HID, INTER = 8, 2, 256, 96
 
@@ -57,7 +58,10 @@ def test_router_ties_go_to_lower_index_and_renormalise():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_token_independent_of_other_tokens(dtype):
-    assert_row_invariant(_block(dtype), _gen(dtype), sizes=(1, 2, 7, 16, 64))
+    """Batches of 1..300 tokens routed to overlapping experts (8 experts, top-2: every expert
+    shares tokens; 300 tokens = 600 slots also take the kernel's wide-tile schedule), the row
+    in the middle and last, 1 and 2 threads."""
+    assert_row_invariant(_block(dtype), _gen(dtype), sizes=(1, 2, 7, 33, 300))
 
 
 def test_negative_control_native_experts_differ():
@@ -152,3 +156,162 @@ def test_expert_split_outputs_reassemble_exactly(dtype):
     )
     # A slot whose expert output is +0.0 keeps it: -0.0 + 0.0 is +0.0, not -0.0.
     assert torch.equal(torch.signbit(torch.tensor(-0.0) + torch.tensor(0.0)), torch.tensor(False))
+
+
+def _routed(dtype, t, seed):
+    w13, w2, wr, sh13, sh2, shg = _weights(dtype)
+    x = torch.randn(t, HID, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    w, ids = moe_router(x.float() @ wr.float().T, TOPK, renormalize=True)
+    return x, w, ids, w13, w2, dict(shared_w13=sh13, shared_w2=sh2, shared_gate_w=shg)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_threads_one_and_two_give_the_same_batch(dtype):
+    """The kernel hands (expert, row tile, column tile) items to torch's thread count; each
+    element is computed whole by one thread, so the whole batch is the same bits."""
+    from tests._support.threads import num_threads
+
+    x, w, ids, w13, w2, kw = _routed(dtype, 300, seed=5)
+    outs = []
+    for nt in (1, 2):
+        with num_threads(nt):
+            outs.append(moe_combine(x, w, ids, w13, w2, **kw))
+    assert torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [HID, 100, 7])
+def test_grouped_gemm_rows_alone_and_accuracy(dtype, k):
+    """The kernel itself: every row of every group equals that row run alone (edge blocks of
+    1..3 rows and columns, a K tail past the last 16-lane chunk), within fp32 accuracy of a
+    float64 reference, for each input dtype."""
+    from isoexec.contract.ops import moe
+
+    g = torch.Generator().manual_seed(6)
+    n, offsets, wsel = 37, torch.tensor([0, 1, 6, 45, 47]), torch.tensor([3, 0, 2, 1])
+    x = torch.randn(47, k, generator=g).to(dtype)
+    w = (torch.randn(4, n, k, generator=g) * k**-0.5).to(dtype)
+    y = moe._grouped_gemm(x, w, offsets, wsel, moe.DEFAULT_LANES)
+    for grp, e in enumerate(wsel.tolist()):
+        a, b = int(offsets[grp]), int(offsets[grp + 1])
+        ref = x[a:b].double() @ w[e].double().T
+        assert (y[a:b].double() - ref).abs().max() < 1e-5
+        for r in range(a, b):
+            one = (torch.tensor([0, 1]), torch.tensor([0]))
+            alone = moe._grouped_gemm(x[r : r + 1], w[e : e + 1], *one, moe.DEFAULT_LANES)
+            assert torch.equal(alone[0], y[r]), (grp, r)
+
+
+def test_negative_control_v1_onednn_blocks_differ():
+    """v1's experts (32-row zero-padded oneDNN blocks, FMA, its own K blocking) give other bits
+    than the kernel: the fixed order is a real choice, so a side on v1 must not MATCH."""
+    from isoexec.contract.ops import linear, moe, silu_mul
+
+    x, _w, ids, w13, w2, _ = _routed(torch.float32, 40, seed=7)
+    v1 = torch.zeros(ids.shape[0], ids.shape[1], w2.shape[1])
+    for e in torch.unique(ids).tolist():  # v1: per expert, ascending, 32-row oneDNN blocks
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        v1[tok, slot] = linear(silu_mul(linear(x[tok], w13[e])), w2[e])
+    v2 = moe.moe_experts(x, ids, w13, w2)
+    assert not torch.equal(v1, v2)
+    assert (v1 - v2).abs().max() < 1e-5
+
+
+def test_lanes_is_a_real_parameter():
+    """Another lane count is another reduction order: other bits, same accuracy."""
+    from isoexec.contract.ops import moe
+
+    x, w, ids, w13, w2, kw = _routed(torch.float32, 20, seed=8)
+    a = moe_combine(x, w, ids, w13, w2, lanes=16, **kw)
+    b = moe_combine(x, w, ids, w13, w2, lanes=8, **kw)
+    assert not torch.equal(a, b) and (a - b).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="lanes=4"):
+        moe.moe_experts(x, ids, w13, w2, lanes=4)
+
+
+def test_backward_with_shared_expert_and_slot_inputs_matches_float64():
+    """The trainer's shape: per-slot inputs [T, k, H] (each slot's gradient its own) into
+    `moe_experts`, then the combine with the shared expert; fp32 gradients of every input
+    (slots, routed and shared weights, gate) against float64."""
+    from isoexec.contract.ops import moe_experts
+
+    x, w, ids, w13, w2, kw = _routed(torch.float32, 6, seed=9)
+    slots = x[:, None].expand(-1, TOPK, -1).contiguous()
+
+    def fn(xs, x, a, b, s13, s2, sg):
+        y = moe_experts(xs, ids, a, b)
+        return moe_combine(
+            x, w, ids, a, b, expert_out=y, shared_w13=s13, shared_w2=s2, shared_gate_w=sg
+        )
+
+    def ref(xs, x, a, b, s13, s2, sg):
+        def mlp(v, p, q):
+            h = v @ p.T
+            return (F.silu(h[..., :INTER]) * h[..., INTER:]) @ q.T
+
+        out = torch.sigmoid(x @ sg.T) * mlp(x, s13, s2)
+        for t in range(x.shape[0]):
+            for j in range(TOPK):
+                e = int(ids[t, j])
+                out[t] = out[t] + w[t, j].double() * mlp(xs[t, j], a[e], b[e])
+        return out
+
+    inputs = (slots, x, w13, w2, kw["shared_w13"], kw["shared_w2"], kw["shared_gate_w"])
+    assert_grads_match_float64(fn, ref, inputs)
+
+
+def test_registry_v2_fingerprint_covers_the_kernel_source(monkeypatch):
+    """moe_combine v2 records the kernel's lanes (no GEMM library: it runs no `_block_gemm`),
+    and its fingerprint changes when moe.cpp's text does; another op's does not."""
+    from isoexec.contract.ops import GEMM_DTYPES, REGISTRY, cpu_kernels, get_impl, moe
+
+    info = REGISTRY["moe_combine"]
+    assert info.version == 2 and "moe_combine" not in GEMM_DTYPES
+    params = info.param_dict()
+    assert params["lanes"] == "16" and "block_rows" not in params and "gemm" not in params
+    assert get_impl("moe_combine", device="cuda", dtype=torch.bfloat16) == info
+    assert moe.KERNEL_LIBRARIES == ("moe",) and "moe.cpp" in cpu_kernels.SOURCES["moe"]
+    real = cpu_kernels.source_text
+    monkeypatch.setattr(
+        cpu_kernels, "source_text", lambda n: real(n) + ("// edit" if n == "moe" else "")
+    )
+    assert get_impl("moe_combine").source_fingerprint != info.source_fingerprint
+    assert get_impl("rms_norm").source_fingerprint == REGISTRY["rms_norm"].source_fingerprint
+
+
+# sha256 of the grouped GEMM's output on fixed inputs, at moe_combine version 2. The bits
+# are defined by the kernel's source alone (explicit lanes, no FMA contraction, no
+# reassociation), so they are the same on every CPU this runs on (CI draws Intel and AMD
+# machines). (The silu/sigmoid around it are torch's position-invariant `_pointwise` ops.)
+# A change here means the op's bits changed: bump its version in ops/__init__.py and record
+# the new hash.
+SAVED_V2 = {
+    torch.float32: "338f03e64148437f",
+    torch.bfloat16: "c0779e4a10d8eceb",
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_saved_bits_v2(dtype):
+    import hashlib
+
+    from isoexec.contract.ops import REGISTRY, moe
+
+    assert REGISTRY["moe_combine"].version == 2
+    g = torch.Generator().manual_seed(10)
+    x = torch.randn(45, 100, generator=g).to(dtype)
+    w = (torch.randn(3, 37, 100, generator=g) * 0.1).to(dtype)
+    offsets, wsel = torch.tensor([0, 2, 9, 45]), torch.tensor([2, 0, 1])
+    out = moe._grouped_gemm(x, w, offsets, wsel, moe.DEFAULT_LANES)
+    digest = hashlib.sha256(out.numpy().tobytes()).hexdigest()[:16]
+    assert digest == SAVED_V2[dtype], digest
+
+
+def test_refuses_other_devices():
+    """The torch backend's experts are the compiled CPU kernel: a meta (or CUDA) tensor is an
+    error, not a silent fallback to another GEMM (the Triton backend has its own MoE)."""
+    x = torch.randn(3, 16, device="meta")
+    ids = torch.zeros(3, 2, dtype=torch.int64, device="meta")
+    w13, w2 = torch.randn(2, 8, 16, device="meta"), torch.randn(2, 16, 4, device="meta")
+    with pytest.raises(ValueError, match="compiled CPU kernel"):
+        moe_experts(x, ids, w13, w2)

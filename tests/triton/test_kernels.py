@@ -104,7 +104,7 @@ def test_backward_attention_logprobs() -> None:
 def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the torch backend's compiled CPU kernels cannot run, so a Triton op's backward
     must differentiate a device-agnostic reference: with the kernels made unavailable, the
-    attention backward still gives the float64 gradients."""
+    attention and GDN backwards still give the reference gradients."""
     from isoexec.contract.ops import cpu_kernels
 
     def unavailable(name: str) -> None:
@@ -112,6 +112,16 @@ def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -
 
     monkeypatch.setattr(cpu_kernels, "library", unavailable)
     test_backward_attention_logprobs()
+    g = torch.Generator().manual_seed(2)
+    shapes = ((4, 1, 8), (4, 1, 8), (4, 2, 8), (4, 2), (4, 2), (2,), (2,))
+    ins = [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
+    got = torch.autograd.grad(xops.gdn_recurrence(*ins)[0].sum(), ins)
+    monkeypatch.undo()
+    from isoexec.contract.ops import gdn_recurrence
+
+    want = torch.autograd.grad(gdn_recurrence(*ins)[0].sum(), ins)
+    for a, b in zip(got, want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
 def test_backward_gdn_matches_torch_op() -> None:

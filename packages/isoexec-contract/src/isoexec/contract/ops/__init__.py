@@ -124,16 +124,29 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "moe_combine": (
         "isoexec.moe_combine.ascending",
-        1,
-        {"order": "ascending-expert", "accum": "fp32", "block_rows": gemm.DEFAULT_BLOCK_ROWS},
+        2,
+        {
+            "order": "ascending-expert",
+            "accum": "fp32",
+            "lanes": moe.DEFAULT_LANES,
+            "kernel": "cxx-vector-ext-nofma",
+        },
         (moe.moe_weighted_sum, moe.moe_experts, moe.moe_combine),
     ),
     "gdn_conv": ("isoexec.gdn_conv.shifted_sum", 1, {"accum": "fp32"}, (gdn.gdn_conv,)),
     "gdn_recurrence": (
         "isoexec.gdn_recurrence.token_serial",
-        1,
-        {"state": "fp32", "l2_eps": gdn.L2_EPS},
-        (gdn._l2norm, gdn._recurrence_steps, gdn.gdn_recurrence),
+        2,
+        {
+            "state": "fp32",
+            "l2_eps": gdn.L2_EPS,
+            "lanes": gdn.LANES,
+            "kernel": "cxx-vector-ext-nofma",
+            "state_sum": "k-ordered",
+            "exp": "cephes-deg6",
+            "log": "cephes",
+        },
+        (gdn.gdn_recurrence,),
     ),
 }
 
@@ -141,8 +154,9 @@ _COMMON = (_pointwise.padded_length, _pointwise.pointwise)
 
 # Ops whose GEMMs are `gemm._block_gemm`, and the dtype those GEMMs run in (None: the site's
 # dtype; the TP leaves are fp32 whatever the model's). Their "gemm" parameter is the library.
+# (`moe_combine` runs its own compiled grouped GEMM since v2: no library to record.)
 GEMM_DTYPES: MappingProxyType[str, torch.dtype | None] = MappingProxyType(
-    {"linear": None, "linear_tp": torch.float32, "moe_combine": None}
+    {"linear": None, "linear_tp": torch.float32}
 )
 
 # Registry entries that compute another entry's op by a different algorithm: the contract

@@ -1,20 +1,141 @@
 """Canonical MoE: router (fp32 softmax, top-k with ties to the lower expert index) and
-experts + combine (canonical linears, ascending-expert fixed-order fp32 sum, one rounding).
+experts + combine (grouped fixed-order GEMMs, ascending-expert fixed-order fp32 sum).
 
-Why: a token's output must not depend on which other tokens share its experts. Expert
-GEMMs are the row-invariant canonical `linear`; the weighted sum over a token's k experts
-runs in ascending expert id in fp32 and is rounded once; the shared expert (sigmoid-gated)
-is added last. Expert weights are stacked as vLLM and transformers 5 hold them:
-w13 [E, 2I, H] = cat(gate, up) and w2 [E, H, I].
+Why: a token's output must not depend on which other tokens share its experts. On CPU the
+expert GEMMs are one compiled grouped GEMM (`cpu_kernels/moe.cpp`): the routed slots are
+sorted by expert (ascending, stable) and each output element is a dot product over `lanes`
+fixed fp32 lanes with a fixed tree, computed whole by one thread, so its bits depend only
+on its own row and the expert's weights (not on how many tokens the expert got, the thread
+count or the ISA). v1 ran `gemm.linear` per expert instead: 32-row zero-padded oneDNN blocks,
+so a decode step with 1-4 tokens per expert paid for 32 rows. The shared expert and its gate
+run through the same kernel (one group holding every token). silu·up is the canonical
+`silu_mul`; bf16/fp16 round where v1 did (after each projection and after silu·up).
+
+The weighted sum over a token's k experts runs in ascending expert id in fp32 and is
+rounded once; the shared expert (sigmoid-gated) is added last. Expert weights are stacked as
+vLLM and transformers 5 hold them: w13 [E, 2I, H] = cat(gate, up) and w2 [E, H, I].
+
+Backward (trainer): plain fp32 torch GEMMs per expert, correct, not bitwise (only the
+forward must match between engine and trainer). CPU only: asking for it on another device
+is an error (engines and trainers on CUDA run the Triton backend's MoE).
 """
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
+
 import torch
 
 from . import _pointwise as pw
+from . import cpu_kernels
 from .activation import silu_mul
-from .gemm import DEFAULT_BLOCK_ROWS, linear
+
+# The compiled libraries whose sources define this module's bits (in the op fingerprint).
+KERNEL_LIBRARIES = ("moe",)
+# fp32 lanes of each output element's dot product (k = l, l + lanes, .. in lane l), combined
+# by a fixed pairwise tree. 16 is one AVX-512 register; the bits do not depend on the ISA.
+DEFAULT_LANES = 16
+LANES = (8, 16)
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+@cache
+def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = cpu_kernels.library("moe").isx_moe_grouped_gemm
+    fn.restype = ctypes.c_int
+    fn.argtypes = [
+        _I64, _I64, _I64, _PTR, _PTR,
+        _PTR, _I64, _PTR, _I64, _I64, ctypes.c_int,
+        _PTR, _I64, ctypes.c_int, ctypes.c_int,
+    ]  # fmt: skip
+    return fn
+
+
+def _grouped_gemm(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
+) -> torch.Tensor:
+    """fp32 [S, N]: rows offsets[g]:offsets[g+1] of x [S, K] times w[wsel[g]]^T (w [E, N, K]).
+
+    x and w share one dtype (fp32, bf16, fp16); offsets [G+1] and wsel [G] are int64 on CPU.
+    """
+    if lanes not in LANES:
+        raise ValueError(f"moe: lanes={lanes} unsupported; the kernel has {LANES}")
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(
+            f"moe: the grouped GEMM is a compiled CPU kernel (x on {x.device}, w {w.device}; "
+            "on CUDA run the Triton backend's)"
+        )
+    if x.dtype != w.dtype or x.dtype not in _DTYPES:
+        raise TypeError(f"moe: x {x.dtype} and w {w.dtype} must be one of {list(_DTYPES)}")
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"moe: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    s, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(s, n, dtype=torch.float32)
+    if s == 0 or n == 0:
+        return out
+    rc = _kernel()(
+        len(wsel), n, k, cpu_kernels.ptr(offsets), cpu_kernels.ptr(wsel),
+        cpu_kernels.ptr(x), x.stride(0), cpu_kernels.ptr(w), w.stride(0), w.stride(1),
+        _DTYPES[x.dtype], cpu_kernels.ptr(out), out.stride(0), lanes, torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"moe grouped GEMM kernel refused its arguments (code {rc})")
+    return out
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """Forward: the canonical grouped GEMM, rounded once to x's dtype. Backward: plain fp32
+    torch GEMMs per group (correct, not bitwise)."""
+
+    @staticmethod
+    def forward(
+        ctx: torch.autograd.function.FunctionCtx,
+        x: torch.Tensor,
+        w: torch.Tensor,
+        offsets: torch.Tensor,
+        wsel: torch.Tensor,
+        lanes: int,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(x, w, offsets, wsel)
+        return _grouped_gemm(x.detach(), w.detach(), offsets, wsel, lanes).to(x.dtype)
+
+    @staticmethod
+    def backward(
+        ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor
+    ) -> tuple[torch.Tensor | None, ...]:
+        x, w, offsets, wsel = ctx.saved_tensors  # type: ignore[attr-defined]
+        need_x, need_w = ctx.needs_input_grad[:2]  # type: ignore[attr-defined]
+        g = grad.float()
+        gx = torch.zeros(x.shape, dtype=torch.float32) if need_x else None
+        gw = torch.zeros(w.shape, dtype=torch.float32) if need_w else None
+        cut = offsets.tolist()
+        for grp, e in enumerate(wsel.tolist()):
+            a, b = cut[grp], cut[grp + 1]
+            if gx is not None:
+                gx[a:b] = g[a:b] @ w[e].float()
+            if gw is not None:
+                gw[e] += g[a:b].t() @ x[a:b].float()
+        return (
+            None if gx is None else gx.to(x.dtype),
+            None if gw is None else gw.to(w.dtype),
+            None,
+            None,
+            None,
+        )
+
+
+def _whole(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
+    """x [T, K] times one weight w [N, K]^T through the grouped kernel (one group)."""
+    t = x.shape[0]
+    offsets = torch.tensor([0, t], dtype=torch.int64)
+    wsel = torch.zeros(1, dtype=torch.int64)
+    return _GroupedLinear.apply(x, w[None], offsets, wsel, lanes)
 
 
 def moe_router(
@@ -69,11 +190,11 @@ def moe_experts(
     w13: torch.Tensor,
     w2: torch.Tensor,
     *,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    lanes: int = DEFAULT_LANES,
     first_expert: int = 0,
 ) -> torch.Tensor:
     """Expert outputs [T, k, H] (x's dtype): y = w2[e] · silu_mul(w13[e] · x) per (t, slot),
-    experts visited in ascending id, each over the tokens routed to it (row-invariant).
+    the slots sorted by expert (ascending, stable) into one grouped GEMM per projection.
 
     x is [T, H], or [T, k, H] with one input row per (token, slot) (all equal to the token's
     row): the same outputs, and under autograd each slot's input gradient stays its own, so a
@@ -84,18 +205,27 @@ def moe_experts(
     every x, signed zeros included), so summing the ranks' outputs in any order reassembles
     every slot bit for bit.
     """
+    if x.device.type != "cpu":
+        raise ValueError(
+            f"moe: the experts are a compiled CPU kernel (x on {x.device}; on CUDA run the "
+            "Triton backend's)"
+        )
     t, k = topk_ids.shape
     out = x.new_full((t, k, w2.shape[1]), -0.0)
-    flat = topk_ids.reshape(-1)
-    for e in torch.unique(flat).tolist():
-        if not first_expert <= e < first_expert + w13.shape[0]:
-            continue
-        sel = (flat == e).nonzero().squeeze(-1)
-        tok, slot = sel // k, sel % k
-        rows = x[tok] if x.dim() == 2 else x[tok, slot]
-        h = silu_mul(linear(rows, w13[e - first_expert], block_rows=block_rows))
-        out = out.index_put((tok, slot), linear(h, w2[e - first_expert], block_rows=block_rows))
-    return out
+    local = topk_ids.reshape(-1).to(torch.int64) - first_expert
+    n_local = w13.shape[0]
+    sel = ((local >= 0) & (local < n_local)).nonzero().squeeze(-1)
+    if sel.numel() == 0:
+        return out
+    sel = sel[torch.argsort(local[sel], stable=True)]
+    counts = torch.bincount(local[sel], minlength=n_local)
+    wsel = counts.nonzero().squeeze(-1)
+    offsets = torch.zeros(len(wsel) + 1, dtype=torch.int64)
+    torch.cumsum(counts[wsel], 0, out=offsets[1:])
+    tok, slot = sel // k, sel % k
+    rows = x[tok] if x.dim() == 2 else x[tok, slot]
+    h = silu_mul(_GroupedLinear.apply(rows, w13, offsets, wsel, lanes))
+    return out.index_put((tok, slot), _GroupedLinear.apply(h, w2, offsets, wsel, lanes))
 
 
 def moe_combine(
@@ -108,7 +238,7 @@ def moe_combine(
     shared_w13: torch.Tensor | None = None,
     shared_w2: torch.Tensor | None = None,
     shared_gate_w: torch.Tensor | None = None,
-    block_rows: int = DEFAULT_BLOCK_ROWS,
+    lanes: int = DEFAULT_LANES,
     expert_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Full MoE block after routing: routed experts + fixed-order combine + optional shared
@@ -116,20 +246,12 @@ def moe_combine(
 
     `expert_out` [T, k, H]: the routed experts' outputs, already computed (under expert
     parallelism they come from the ranks holding the experts); `w13`/`w2` are then unused."""
-    y = (
-        moe_experts(x, topk_ids, w13, w2, block_rows=block_rows)
-        if expert_out is None
-        else expert_out
-    )
+    y = moe_experts(x, topk_ids, w13, w2, lanes=lanes) if expert_out is None else expert_out
     shared_out = shared_gate = None
     if shared_w13 is not None and shared_w2 is not None:
-        shared_out = linear(
-            silu_mul(linear(x, shared_w13, block_rows=block_rows)),
-            shared_w2,
-            block_rows=block_rows,
-        )
+        shared_out = _whole(silu_mul(_whole(x, shared_w13, lanes)), shared_w2, lanes)
         if shared_gate_w is not None:
-            shared_gate = linear(x, shared_gate_w, block_rows=block_rows)
+            shared_gate = _whole(x, shared_gate_w, lanes)
     return moe_weighted_sum(
         y,
         topk_weights,

@@ -27,6 +27,8 @@ _HERE = Path(__file__).resolve().parent
 # Every source a kernel library is built from, in order: part of each op's fingerprint.
 SOURCES: dict[str, tuple[str, ...]] = {
     "attention": ("simd.h", "attention.cpp"),
+    "gdn": ("simd.h", "gdn.cpp"),
+    "moe": ("simd.h", "moe.cpp"),
 }
 CXX_FLAGS = (
     "-O3",

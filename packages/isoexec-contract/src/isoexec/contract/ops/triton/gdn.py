@@ -214,5 +214,5 @@ def gdn_recurrence(
         return o, new_state
 
     return with_torch_backward(  # type: ignore[return-value]
-        run, _torch_gdn.gdn_recurrence, q, k, v, a, b, A_log, dt_bias, state
+        run, _torch_gdn.gdn_recurrence_grad_reference, q, k, v, a, b, A_log, dt_bias, state
     )
