@@ -61,14 +61,22 @@ def _read_timers(model: torch.nn.Module) -> dict[str, float]:
     return spent
 
 
-def run_arm(arm: str, model: str, dtype: str, prompts: int, tokens: int, out: str) -> None:
+def run_arm(
+    arm: str, model: str, dtype: str, prompts: int, tokens: int, out: str, eager: bool = False
+) -> None:
     """One engine (this process), one warm-up and one timed generation; JSON to `out`."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from isoexec.vllm.engine_process import EngineConfig, SamplingSpec, _Handler
 
     kv = kv_cache_bytes(prompts, tokens)
     handler = _Handler(
-        EngineConfig(model=model, dtype=dtype, isoexec=arm == "isoexec", kv_cache_bytes=kv)
+        EngineConfig(
+            model=model,
+            dtype=dtype,
+            isoexec=arm == "isoexec",
+            kv_cache_bytes=kv,
+            enforce_eager=eager,
+        )
     )
     gen = torch.Generator().manual_seed(0)
     batch = [torch.randint(1000, (PROMPT_LEN,), generator=gen).tolist() for _ in range(prompts)]
@@ -86,6 +94,7 @@ def run_arm(arm: str, model: str, dtype: str, prompts: int, tokens: int, out: st
 def _spawn_arm(arm: str, args: argparse.Namespace, model: Path, out: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--arm", arm, "--model", str(model), "--out", str(out)]
     cmd += ["--dtype", args.dtype, "--prompts", str(args.prompts), "--tokens", str(args.tokens)]
+    cmd += ["--eager"] if args.eager else []
     env = {**os.environ, "ISOEXEC": "1" if arm == "isoexec" else "0"}
     proc = subprocess.Popen(cmd, env=env, start_new_session=True)
     try:
@@ -102,6 +111,11 @@ def main() -> None:
     ap.add_argument("--family", choices=["dense", "moe", "gdn"], default="dense")
     ap.add_argument("--size", choices=sorted(SIZES), default="small")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default=None)
+    ap.add_argument(
+        "--eager",
+        action="store_true",
+        help="both arms eager: per-module rows (compiled, the model forward is one graph)",
+    )
     ap.add_argument("--arm", choices=["isoexec", "native"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, help=argparse.SUPPRESS)
@@ -109,7 +123,7 @@ def main() -> None:
     ap.add_argument("--out", default="engine-profile.json")
     args = ap.parse_args()
     if args.arm:
-        run_arm(args.arm, args.model, args.dtype, args.prompts, args.tokens, args.out)
+        run_arm(args.arm, args.model, args.dtype, args.prompts, args.tokens, args.out, args.eager)
         return
     args.dtype = args.dtype or ("bfloat16" if args.family == "gdn" else "float32")
     size = SIZES[args.size]
