@@ -3,8 +3,12 @@
 // One output element y[m, n] is, whatever the batch, the group sizes, the tiling or the
 // thread count:
 //   lane l (of `L`) = sum over k = l, l + L, l + 2L, .. < K (ascending, from +0.0) of
-//                     x[m, k] * w[n, k] (fp32 products and sums, no FMA; bf16/fp16 inputs
-//                     widened to fp32 exactly)
+//                     x[m, k] * w[n, k] (fp32 products and sums; fp32 inputs: a rounded
+//                     product then a rounded add, no FMA; bf16/fp16 inputs: widened to fp32
+//                     exactly, where the product is exact, and added by one fused
+//                     multiply-add — the same bits as product-then-add, at one op per pair,
+//                     except for products in fp32's subnormal range, which fp16 never and
+//                     real bf16 activations and weights practically never reach)
 //   y[m, n] = tree_sum over the L lanes (simd.h: fixed pairwise tree), rounded by the caller
 // Register blocking (MR rows x NR weight rows, one vector accumulator each) and the tiles
 // handed to threads only decide which elements are computed together, never an element's
@@ -37,8 +41,9 @@ struct Args {
   float* out; int64_t o_st;                // [S, N] fp32, row stride
 };
 
-// y[i][j] for i < M x rows and j < NN weight rows (fp32, row strides xst and wst).
-template <int L, int M, int NN>
+// y[i][j] for i < M x rows and j < NN weight rows (fp32, row strides xst and wst); FUSED: the
+// products are exact (widened bf16/fp16), so each k adds by one fused multiply-add.
+template <int L, bool FUSED, int M, int NN>
 static void block(const float* x, int64_t xst, const float* w, int64_t wst, int64_t K, float* o,
                   int64_t ost) {
   vf<L> acc[M][NN];
@@ -56,7 +61,8 @@ static void block(const float* x, int64_t xst, const float* w, int64_t wst, int6
 #pragma GCC unroll 4
     for (int i = 0; i < M; ++i)
 #pragma GCC unroll 4
-      for (int j = 0; j < NN; ++j) acc[i][j] = acc[i][j] + xv[i] * wv[j];
+      for (int j = 0; j < NN; ++j)
+        acc[i][j] = FUSED ? fmadd<L>(xv[i], wv[j], acc[i][j]) : acc[i][j] + xv[i] * wv[j];
   }
   for (int i = 0; i < M; ++i)
     for (int j = 0; j < NN; ++j) {
@@ -64,7 +70,9 @@ static void block(const float* x, int64_t xst, const float* w, int64_t wst, int6
       if (Kf < K) {
         float t[L];
         std::memcpy(t, &a, sizeof(t));
-        for (int64_t k = Kf; k < K; ++k) t[k - Kf] = t[k - Kf] + x[i * xst + k] * w[j * wst + k];
+        for (int64_t k = Kf; k < K; ++k)
+          t[k - Kf] = FUSED ? __builtin_fmaf(x[i * xst + k], w[j * wst + k], t[k - Kf])
+                            : t[k - Kf] + x[i * xst + k] * w[j * wst + k];
         std::memcpy(&a, t, sizeof(t));
       }
       o[i * ost + j] = tree_sum<L>(a);
@@ -74,20 +82,20 @@ static void block(const float* x, int64_t xst, const float* w, int64_t wst, int6
 template <int L>
 using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
 
-template <int L, int M, int... NNs>
+template <int L, bool FUSED, int M, int... NNs>
 static constexpr void fill_row(BlockFn<L> (&t)[MR][NR], std::integer_sequence<int, NNs...>) {
-  ((t[M - 1][NNs] = &block<L, M, NNs + 1>), ...);
+  ((t[M - 1][NNs] = &block<L, FUSED, M, NNs + 1>), ...);
 }
 
 // Every M x NN instance (1..MR x 1..NR), indexed [M - 1][NN - 1].
-template <int L>
+template <int L, bool FUSED>
 struct Blocks {
   BlockFn<L> fn[MR][NR] = {};
   constexpr Blocks() {
-    fill_row<L, 1>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, 2>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, 3>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, 4>(fn, std::make_integer_sequence<int, NR>{});
+    fill_row<L, FUSED, 1>(fn, std::make_integer_sequence<int, NR>{});
+    fill_row<L, FUSED, 2>(fn, std::make_integer_sequence<int, NR>{});
+    fill_row<L, FUSED, 3>(fn, std::make_integer_sequence<int, NR>{});
+    fill_row<L, FUSED, 4>(fn, std::make_integer_sequence<int, NR>{});
   }
 };
 static_assert(MR == 4, "Blocks fills rows 1..4");
@@ -114,8 +122,8 @@ struct Scratch {
 template <int L, class T>
 static void tile(const Args& a, int64_t g, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                  Scratch& s) {
-  static constexpr Blocks<L> blocks{};
   constexpr bool wide = std::is_same_v<T, float>;
+  static constexpr Blocks<L, !wide> blocks{};
   const int64_t K = a.K;
   const T* xg = static_cast<const T*>(a.x) + r0 * a.x_st;
   const T* wg = static_cast<const T*>(a.w) + a.wsel[g] * a.w_se;

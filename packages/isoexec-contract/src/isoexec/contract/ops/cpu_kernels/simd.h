@@ -15,7 +15,7 @@
 #include <thread>
 #include <vector>
 #if defined(__x86_64__)
-#include <xmmintrin.h>
+#include <immintrin.h>
 #endif
 
 namespace isx {
@@ -151,6 +151,22 @@ template <class F> static void parallel_items(int64_t n, int threads, int64_t ch
   for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
   work(0);
   for (auto& th : pool) th.join();
+}
+
+// a * b + c per lane with one rounding (IEEE fused multiply-add). The x86 FMA instructions
+// where the build has them, else the correctly rounded `__builtin_fmaf` per lane: the same
+// bits either way. Where a * b is exact in fp32 (bf16 x bf16, fp16 x fp16 widened products,
+// away from fp32's subnormal range) it equals `c + a * b`.
+template <int L> static inline vf<L> fmadd(vf<L> a, vf<L> b, vf<L> c) {
+#if defined(__AVX512F__)
+  if constexpr (L == 16) return (vf<L>)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#if defined(__FMA__)
+  if constexpr (L == 8) return (vf<L>)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  vf<L> r;
+  for (int i = 0; i < L; ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
 }
 
 }  // namespace isx
