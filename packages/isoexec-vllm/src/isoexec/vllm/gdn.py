@@ -98,6 +98,13 @@ class GDNStateCache:
             )
         self.ssm = ssm  # [slot, HV, V, K]
 
+    def states_kv(self) -> torch.Tensor:
+        """The recurrent states as [slot, HV, K, V] (a view of vLLM's [slot, HV, V, K])."""
+        return self.ssm.transpose(-1, -2)
+
+    def write_conv(self, slots: torch.Tensor, conv: torch.Tensor) -> None:
+        self.conv[slots] = conv.to(self.conv.dtype)
+
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv states [B, W-1, C], recurrent states [B, HV, K, V] fp32) of `slots`."""
         return self.conv[slots], self.ssm[slots].transpose(-1, -2)
@@ -199,6 +206,8 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             conv=self.ops.gdn_conv,
             recurrence=self.ops.gdn_recurrence,
         )
+        # the backend's in-place recurrence (same kernel and bits; no state gather/scatter)
+        in_place = getattr(self.ops, "gdn_recurrence_in_place", None)
         # requests of equal length that all continue a state (or all start fresh) run as one
         # batch: a decode step is one call, and so are equal-length prompts
         groups: dict[tuple[int, bool], list[int]] = {}
@@ -210,6 +219,17 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
             idx = torch.tensor([starts[r] for r in reqs], device=dev)[:, None]
             idx = idx + torch.arange(n, device=dev)  # [G, n] token rows
             where = torch.tensor([slots[r] for r in reqs], device=dev)
+            if in_place is not None:  # the kernel updates the states in vLLM's cache
+                rec = functools.partial(
+                    in_place, cache=cache.states_kv(), slots=where, has_state=init
+                )
+                conv_state = cache.conv[where] if init else None
+                o, new_conv, _ = run(
+                    mixed_qkv[idx], a=a[idx], b=b[idx], conv_state=conv_state, recurrence=rec
+                )
+                core[idx] = o.to(core.dtype)
+                cache.write_conv(where, new_conv)
+                continue
             conv_state, state = cache.read(where) if init else (None, None)
             o, new_conv, new_state = run(
                 mixed_qkv[idx], a=a[idx], b=b[idx], conv_state=conv_state, state=state

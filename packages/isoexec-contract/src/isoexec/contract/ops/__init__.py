@@ -22,7 +22,7 @@ from ..impl import ImplInfo, code_closure, source_fingerprint
 from . import _pointwise, activation, attention, cpu_kernels, gdn, gemm, logprobs, moe, norm, rope
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
-from .gdn import gdn_conv, gdn_recurrence, gdn_sequence
+from .gdn import gdn_conv, gdn_recurrence, gdn_recurrence_in_place, gdn_sequence
 from .gemm import (
     linear,
     linear_tp_invariant,
@@ -276,6 +276,7 @@ __all__ = [
     "gather_paged_kv",
     "gdn_conv",
     "gdn_recurrence",
+    "gdn_recurrence_in_place",
     "gdn_sequence",
     "get_backend_impl",
     "get_impl",

@@ -85,7 +85,9 @@ def _l2norm(x: torch.Tensor) -> torch.Tensor:
 def _fwd_kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = cpu_kernels.library("gdn").isx_gdn_fwd
     fn.restype = ctypes.c_int
-    fn.argtypes = [*_COMMON_ARGS, _PTR, _PTR, _PTR, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [
+        *_COMMON_ARGS, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, *([_I64] * 4), ctypes.c_int, ctypes.c_int
+    ]  # fmt: skip
     return fn
 
 
@@ -180,7 +182,7 @@ def _forward(
         return o, new_state, ckpt
     rc = _fwd_kernel()(
         *args, cpu_kernels.ptr(s0), cpu_kernels.ptr(o), cpu_kernels.ptr(new_state),
-        cpu_kernels.ptr(ckpt), n, v_block, torch.get_num_threads(),
+        cpu_kernels.ptr(ckpt), n, None, 0, 0, 0, 0, v_block, torch.get_num_threads(),
     )  # fmt: skip
     del keep
     if rc != 0:
@@ -379,6 +381,57 @@ def gdn_recurrence(
     Differentiable in every input (the state included).
     """
     return _batched(_canonical, q, k, v, a, b, A_log, dt_bias, state)
+
+
+def gdn_recurrence_in_place(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    A_log: torch.Tensor,
+    dt_bias: torch.Tensor,
+    state: None = None,
+    *,
+    cache: torch.Tensor,
+    slots: torch.Tensor,
+    has_state: bool,
+) -> tuple[torch.Tensor, None]:
+    """`gdn_recurrence` of a batch whose states live in an engine's state cache: request b's
+    fp32 state is `cache[slots[b]]` ([slots, HV, K, V], any strides: an engine's own layout
+    as a view), read (zeros if not `has_state`) and overwritten in place with the new state.
+    The same kernel and bits as `gdn_recurrence` with the gathered states; it only saves the
+    gather, the transposing copies and the scatter an engine step would otherwise pay (three
+    moves of every running request's state per layer per step). No autograd. Returns (o in
+    v's dtype, None), the shape `gdn_sequence` expects of a recurrence (whose `state`
+    argument must then be None: the states are the cache's)."""
+    if state is not None:
+        raise ValueError("gdn_recurrence_in_place: the states are the cache's, pass state=None")
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, a, b)):
+        raise ValueError("gdn_recurrence_in_place: no autograd (an engine step)")
+    _check_cpu(q, k, v, a, b, A_log, dt_bias, cache)
+    bsz, t, _hk, dk = q.shape
+    hv, dv = v.shape[2], v.shape[3]
+    idx = slots.to(torch.int64).contiguous()
+    if cache.dtype != torch.float32 or cache.dim() != 4 or cache.shape[1:] != (hv, dk, dv):
+        raise ValueError(f"gdn_recurrence_in_place: cache {tuple(cache.shape)} {cache.dtype}")
+    if idx.shape != (bsz,) or int(idx.unique().numel()) != bsz:
+        raise ValueError("gdn_recurrence_in_place: one distinct slot per batch entry")
+    if bsz and not (0 <= int(idx.min()) and int(idx.max()) < cache.shape[0]):
+        raise ValueError("gdn_recurrence_in_place: slot out of range")
+    args, keep = _kernel_inputs(q, k, v, a, b, A_log, dt_bias)
+    o = torch.empty(bsz, t, hv, dv, dtype=torch.float32)
+    if t == 0 or bsz == 0:
+        return o.to(v.dtype), None
+    rc = _fwd_kernel()(
+        *args, cpu_kernels.ptr(cache if has_state else None), cpu_kernels.ptr(o),
+        cpu_kernels.ptr(cache), None, max(t, 1), cpu_kernels.ptr(idx), *cache.stride(),
+        _V_BLOCK, torch.get_num_threads(),
+    )  # fmt: skip
+    del keep
+    if rc != 0:
+        raise RuntimeError(f"gdn kernel refused its arguments (code {rc})")
+    return o.to(v.dtype), None
 
 
 def gdn_recurrence_grad_reference(

@@ -262,6 +262,11 @@ struct FwdOut {
   float* out;           // [B, T, HV, V]
   float* state_out;     // [B, HV, K, V]
   float* ckpt;          // [B, HV, NC, K, V] or null: state before tokens 0, N, 2N, ..
+  // Non-null: state0 / state_out are one state cache, read and then overwritten in place:
+  // item (b, h)'s state element (k, v) at slots[b] * s_slot + h * s_h + k * s_k + v * s_v
+  // (an engine's per-request states, in its own layout: no gather, no transpose).
+  const int64_t* slots;
+  int64_t s_slot, s_h, s_k, s_v;
 };
 
 template <int VB, class QT>
@@ -280,13 +285,24 @@ static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<f
   float* dec = vv + TC * Vp;
   float* beta = dec + TC;
   const float* s0 = F.state0 == nullptr ? nullptr : F.state0 + item * K * V;
-  for (int64_t nb = 0; nb < NB; ++nb)
-    for (int64_t k = 0; k < K; ++k) {
-      vf<W> x[NV];
-      const int64_t c0 = nb * VB;
-      load_cols<NV>(x, s0 == nullptr ? nullptr : s0 + k * V + c0, std::min<int64_t>(VB, V - c0));
-      std::memcpy(S + (nb * K + k) * VB, x, sizeof(x));
-    }
+  if (F.slots != nullptr) {  // the whole state is read before anything is written back
+    const float* c = F.state0 == nullptr ? nullptr : F.state0 + F.slots[bi] * F.s_slot + h * F.s_h;
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < VB; ++j) {
+          const int64_t v = nb * VB + j;
+          S[(nb * K + k) * VB + j] = c != nullptr && v < V ? c[k * F.s_k + v * F.s_v] : 0.0f;
+        }
+    s0 = nullptr;
+  } else {
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t k = 0; k < K; ++k) {
+        vf<W> x[NV];
+        const int64_t c0 = nb * VB;
+        load_cols<NV>(x, s0 == nullptr ? nullptr : s0 + k * V + c0, std::min<int64_t>(VB, V - c0));
+        std::memcpy(S + (nb * K + k) * VB, x, sizeof(x));
+      }
+  }
   if (F.ckpt != nullptr) {
     float* c = F.ckpt + item * NC * K * V;
     if (s0 == nullptr) std::fill(c, c + K * V, 0.0f);
@@ -316,6 +332,14 @@ static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<f
         store_cols<NV>(F.out + ((bi * T + t) * A.HV + h) * V + c0, o, nvalid);
       }
     }
+  }
+  if (F.slots != nullptr) {
+    float* c = F.state_out + F.slots[bi] * F.s_slot + h * F.s_h;
+    for (int64_t nb = 0; nb < NB; ++nb)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < VB && nb * VB + j < V; ++j)
+          c[k * F.s_k + (nb * VB + j) * F.s_v] = S[(nb * K + k) * VB + j];
+    return;
   }
   float* so = F.state_out + item * K * V;
   for (int64_t nb = 0; nb < NB; ++nb) {
@@ -581,11 +605,13 @@ extern "C" int isx_gdn_fwd(int64_t B, int64_t T, int64_t HK, int64_t HV, int64_t
                            int64_t v_sb, int64_t v_st, int64_t v_sh, const float* a,
                            const float* b, const float* A_log, const float* dt_bias, float eps,
                            const float* state0, float* out, float* state_out, float* ckpt,
-                           int64_t ckpt_every, int v_block, int threads) {
+                           int64_t ckpt_every, const int64_t* slots, int64_t s_slot,
+                           int64_t s_h, int64_t s_k, int64_t s_v, int v_block, int threads) {
   Args A{B, T, HK, HV, K, V, q, q_sb, q_st, q_sh, k, k_sb, k_st, k_sh, v, v_sb, v_st, v_sh,
          a, b, A_log, dt_bias, eps, ckpt_every};
   if (int rc = check(A)) return rc;
-  FwdOut F{state0, out, state_out, ckpt};
+  if (slots != nullptr && ckpt != nullptr) return 1;
+  FwdOut F{state0, out, state_out, ckpt, slots, s_slot, s_h, s_k, s_v};
   if (v_block == 16) return fwd_dtype<16>(A, F, dtype, threads);
   if (v_block == 32) return fwd_dtype<32>(A, F, dtype, threads);
   if (v_block == 64) return fwd_dtype<64>(A, F, dtype, threads);
