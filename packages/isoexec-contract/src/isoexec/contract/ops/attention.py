@@ -34,9 +34,9 @@ KERNEL_LIBRARIES = ("attention",)
 # do not depend on the ISA the build runs on.
 DEFAULT_LANES = 16
 LANES = (8, 16)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
+_DTYPES = cpu_kernels.DTYPE_CODES
+_I64 = cpu_kernels.I64
+_PTR = cpu_kernels.PTR
 
 
 def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]

@@ -39,9 +39,9 @@ GRAD_SEGMENT = 64
 # State columns per block in the kernel (speed only: a column never reads another).
 _V_BLOCK = 32
 _V_BLOCKS = (16, 32, 64)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
+_DTYPES = cpu_kernels.DTYPE_CODES
+_I64 = cpu_kernels.I64
+_PTR = cpu_kernels.PTR
 _COMMON_ARGS = [
     *([_I64] * 6),
     _PTR, _PTR, _PTR, ctypes.c_int, *([_I64] * 9),

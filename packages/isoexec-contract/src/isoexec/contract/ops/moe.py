@@ -37,9 +37,9 @@ KERNEL_LIBRARIES = ("moe",)
 # by a fixed pairwise tree. 16 is one AVX-512 register; the bits do not depend on the ISA.
 DEFAULT_LANES = 16
 LANES = (8, 16)
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_I64 = ctypes.c_int64
-_PTR = ctypes.c_void_p
+_DTYPES = cpu_kernels.DTYPE_CODES
+_I64 = cpu_kernels.I64
+_PTR = cpu_kernels.PTR
 
 
 @cache

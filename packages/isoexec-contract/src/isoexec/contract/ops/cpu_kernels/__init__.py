@@ -23,6 +23,8 @@ import subprocess
 from functools import cache
 from pathlib import Path
 
+import torch
+
 _HERE = Path(__file__).resolve().parent
 # Every source a kernel library is built from, in order: part of each op's fingerprint.
 SOURCES: dict[str, tuple[str, ...]] = {
@@ -40,6 +42,13 @@ CXX_FLAGS = (
     "-shared",
     "-pthread",
 )
+
+
+# What the kernels' `dtype` arguments mean (simd.h `DType`), and the ctypes argument types
+# every wrapper declares.
+DTYPE_CODES: dict[torch.dtype, int] = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+I64 = ctypes.c_int64
+PTR = ctypes.c_void_p
 
 
 def source_text(name: str) -> str:
