@@ -317,7 +317,7 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
 ) -> None:
     """A bf16 trainer's GEMM sites (linears, TP leaves) record the library for CPU bf16
     (`gemm_library`), which is what the engine's lookup gives in the same place. The MoE
-    experts run IsoExec's own compiled grouped GEMM (moe_combine v2): no library, and the
+    experts run IsoExec's own compiled grouped GEMM (moe_combine since v2): no library, and the
     engine's lookup gives the same impl."""
     from types import SimpleNamespace
 

@@ -124,12 +124,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "moe_combine": (
         "isoexec.moe_combine.ascending",
-        2,
+        3,
         {
             "order": "ascending-expert",
             "accum": "fp32",
             "lanes": moe.DEFAULT_LANES,
-            "kernel": "cxx-vector-ext-nofma",
+            "kernel": "cxx-vector-ext-fma",
         },
         (moe.moe_weighted_sum, moe.moe_experts, moe.moe_combine),
     ),

@@ -4,9 +4,11 @@ experts + combine (grouped fixed-order GEMMs, ascending-expert fixed-order fp32 
 Why: a token's output must not depend on which other tokens share its experts. On CPU the
 expert GEMMs are one compiled grouped GEMM (`cpu_kernels/moe.cpp`): the routed slots are
 sorted by expert (ascending, stable) and each output element is a dot product over `lanes`
-fixed fp32 lanes with a fixed tree, computed whole by one thread, so its bits depend only
-on its own row and the expert's weights (not on how many tokens the expert got, the thread
-count or the ISA). v1 ran `gemm.linear` per expert instead: 32-row zero-padded oneDNN blocks,
+fixed fp32 lanes (one fused multiply-add per product, k ascending) with a fixed tree,
+computed whole by one thread, so its bits depend only on its own row and the expert's
+weights (not on how many tokens the expert got, the thread count or the ISA). v3 fuses the
+fp32 multiply-add (v2 rounded the fp32 product first: other fp32 bits, the same bf16/fp16
+bits, whose products are exact), halving the kernel's arithmetic. v1 ran `gemm.linear` per expert instead: 32-row zero-padded oneDNN blocks,
 so a decode step with 1-4 tokens per expert paid for 32 rows. The shared expert and its gate
 run through the same kernel (one group holding every token). silu·up is the canonical
 `silu_mul`; bf16/fp16 round where v1 did (after each projection and after silu·up).
@@ -130,12 +132,20 @@ class _GroupedLinear(torch.autograd.Function):
         )
 
 
+def _linear(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
+) -> torch.Tensor:
+    """The grouped GEMM rounded to x's dtype; through autograd only where a gradient is
+    wanted (an engine step skips the Function's bookkeeping: the same kernel and bits)."""
+    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+        return _GroupedLinear.apply(x, w, offsets, wsel, lanes)
+    return _grouped_gemm(x, w, offsets, wsel, lanes).to(x.dtype)
+
+
 def _whole(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
     """x [T, K] times one weight w [N, K]^T through the grouped kernel (one group)."""
-    t = x.shape[0]
-    offsets = torch.tensor([0, t], dtype=torch.int64)
-    wsel = torch.zeros(1, dtype=torch.int64)
-    return _GroupedLinear.apply(x, w[None], offsets, wsel, lanes)
+    offsets = torch.tensor([0, x.shape[0]], dtype=torch.int64)
+    return _linear(x, w[None], offsets, torch.zeros(1, dtype=torch.int64), lanes)
 
 
 def moe_router(
@@ -212,20 +222,28 @@ def moe_experts(
         )
     t, k = topk_ids.shape
     out = x.new_full((t, k, w2.shape[1]), -0.0)
-    local = topk_ids.reshape(-1).to(torch.int64) - first_expert
+    local = topk_ids.reshape(-1).to(torch.int64)
     n_local = w13.shape[0]
-    sel = ((local >= 0) & (local < n_local)).nonzero().squeeze(-1)
-    if sel.numel() == 0:
+    if local.numel() == 0:
         return out
-    sel = sel[torch.argsort(local[sel], stable=True)]
+    if first_expert or int(local.max()) >= n_local:  # expert parallel: this rank's slots
+        local = local - first_expert
+        sel = ((local >= 0) & (local < n_local)).nonzero().squeeze(-1)
+        if sel.numel() == 0:
+            return out
+        sel = sel[torch.argsort(local[sel], stable=True)]
+    else:  # every slot is local (no expert parallelism, or this rank holds them all)
+        sel = torch.argsort(local, stable=True)
+    # one group per local expert, in expert order (an expert without rows is an empty group)
     counts = torch.bincount(local[sel], minlength=n_local)
-    wsel = counts.nonzero().squeeze(-1)
-    offsets = torch.zeros(len(wsel) + 1, dtype=torch.int64)
-    torch.cumsum(counts[wsel], 0, out=offsets[1:])
-    tok, slot = sel // k, sel % k
-    rows = x[tok] if x.dim() == 2 else x[tok, slot]
-    h = silu_mul(_GroupedLinear.apply(rows, w13, offsets, wsel, lanes))
-    return out.index_put((tok, slot), _GroupedLinear.apply(h, w2, offsets, wsel, lanes))
+    offsets = torch.zeros(n_local + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=offsets[1:])
+    wsel = torch.arange(n_local)
+    rows = x[sel // k] if x.dim() == 2 else x.reshape(t * k, -1)[sel]
+    h = silu_mul(_linear(rows, w13, offsets, wsel, lanes))
+    return out.reshape(t * k, -1).index_put((sel,), _linear(h, w2, offsets, wsel, lanes)).view(
+        out.shape
+    )
 
 
 def moe_combine(

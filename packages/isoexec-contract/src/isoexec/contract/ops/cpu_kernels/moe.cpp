@@ -2,18 +2,17 @@
 //
 // One output element y[m, n] is, whatever the batch, the group sizes, the tiling or the
 // thread count:
-//   lane l (of `L`) = sum over k = l, l + L, l + 2L, .. < K (ascending, from +0.0) of
-//                     x[m, k] * w[n, k] (fp32 products and sums; fp32 inputs: a rounded
-//                     product then a rounded add, no FMA; bf16/fp16 inputs: widened to fp32
-//                     exactly, where the product is exact, and added by one fused
-//                     multiply-add — the same bits as product-then-add, at one op per pair,
-//                     except for products in fp32's subnormal range, which fp16 never and
-//                     real bf16 activations and weights practically never reach)
+//   lane l (of `L`) = over k = l, l + L, l + 2L, .. < K (ascending, from +0.0):
+//                     acc = fma(x[m, k], w[n, k], acc), one fused multiply-add in fp32 (bf16
+//                     and fp16 inputs widened to fp32 exactly first)
 //   y[m, n] = tree_sum over the L lanes (simd.h: fixed pairwise tree), rounded by the caller
-// Register blocking (MR rows x NR weight rows, one vector accumulator each) and the tiles
-// handed to threads only decide which elements are computed together, never an element's
-// order of operations, so they never change a bit. A block at the edge of a group runs a
-// smaller MR x NR instance of the same loop. See simd.h for the floating-point rules.
+// (v2 added fp32 products with a rounded multiply then a rounded add; bf16/fp16 products are
+// exact in fp32, so their bits are v2's.) Register blocking (MR rows x NR weight rows, one
+// vector accumulator each) and the tiles handed to threads only decide which elements are
+// computed together, never an element's order of operations, so they never change a bit. A
+// block at the edge of a group runs a smaller MR x NR instance of the same loop. Weights are
+// read in their own dtype (bf16 widened in registers: half the memory traffic of fp32). See
+// simd.h for the floating-point rules.
 #include "simd.h"
 
 #include <algorithm>
@@ -26,6 +25,9 @@ using namespace isx;
 
 constexpr int MR = 4;          // x rows per register block
 constexpr int NR = 4;          // weight rows (output columns) per register block
+// A group of at most MR_FEW rows (an expert at decode) runs as one block of all its rows and
+// NR_FEW weight rows, so each weight row is loaded (and widened) once, not once per 4 rows.
+constexpr int MR_FEW = 12, NR_FEW = 2;
 constexpr int64_t TILE_R = 32;  // rows per work item
 // Output columns per work item: narrow tiles when there are few rows (decode: enough items
 // for every thread), wide ones for many rows (prefill: a weight tile stays in L2 across the
@@ -41,64 +43,63 @@ struct Args {
   float* out; int64_t o_st;                // [S, N] fp32, row stride
 };
 
-// y[i][j] for i < M x rows and j < NN weight rows (fp32, row strides xst and wst); FUSED: the
-// products are exact (widened bf16/fp16), so each k adds by one fused multiply-add.
-template <int L, bool FUSED, int M, int NN>
-static void block(const float* x, int64_t xst, const float* w, int64_t wst, int64_t K, float* o,
+// y[i][j] for i < M x rows (fp32) and j < NN weight rows (dtype W), row strides xst, wst.
+template <int L, class W, int M, int NN>
+static void block(const float* x, int64_t xst, const W* w, int64_t wst, int64_t K, float* o,
                   int64_t ost) {
-  vf<L> acc[M][NN];
-#pragma GCC unroll 4
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-    for (int j = 0; j < NN; ++j) acc[i][j] = splat<L>(0.0f);
+  vf<L> acc[M * NN];
+#pragma GCC unroll 24
+  for (int i = 0; i < M * NN; ++i) acc[i] = splat<L>(0.0f);
   const int64_t Kf = K / L * L;
   for (int64_t k = 0; k < Kf; k += L) {
     vf<L> xv[M], wv[NN];
-#pragma GCC unroll 4
+#pragma GCC unroll 12
     for (int i = 0; i < M; ++i) xv[i] = load<L>(x + i * xst + k);
-#pragma GCC unroll 4
-    for (int j = 0; j < NN; ++j) wv[j] = load<L>(w + j * wst + k);
-#pragma GCC unroll 4
-    for (int i = 0; i < M; ++i)
-#pragma GCC unroll 4
-      for (int j = 0; j < NN; ++j)
-        acc[i][j] = FUSED ? fmadd<L>(xv[i], wv[j], acc[i][j]) : acc[i][j] + xv[i] * wv[j];
-  }
-  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 12
     for (int j = 0; j < NN; ++j) {
-      vf<L> a = acc[i][j];
-      if (Kf < K) {
-        float t[L];
-        std::memcpy(t, &a, sizeof(t));
-        for (int64_t k = Kf; k < K; ++k)
-          t[k - Kf] = FUSED ? __builtin_fmaf(x[i * xst + k], w[j * wst + k], t[k - Kf])
-                            : t[k - Kf] + x[i * xst + k] * w[j * wst + k];
-        std::memcpy(&a, t, sizeof(t));
-      }
-      o[i * ost + j] = tree_sum<L>(a);
+      wv[j] = load<L>(w + j * wst + k);
+      __builtin_prefetch(w + (NN + j) * wst + k);  // the next panel (decode is memory-bound)
     }
-}
-
-template <int L>
-using BlockFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t);
-
-template <int L, bool FUSED, int M, int... NNs>
-static constexpr void fill_row(BlockFn<L> (&t)[MR][NR], std::integer_sequence<int, NNs...>) {
-  ((t[M - 1][NNs] = &block<L, FUSED, M, NNs + 1>), ...);
-}
-
-// Every M x NN instance (1..MR x 1..NR), indexed [M - 1][NN - 1].
-template <int L, bool FUSED>
-struct Blocks {
-  BlockFn<L> fn[MR][NR] = {};
-  constexpr Blocks() {
-    fill_row<L, FUSED, 1>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, FUSED, 2>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, FUSED, 3>(fn, std::make_integer_sequence<int, NR>{});
-    fill_row<L, FUSED, 4>(fn, std::make_integer_sequence<int, NR>{});
+#pragma GCC unroll 12
+    for (int i = 0; i < M; ++i)
+#pragma GCC unroll 12
+      for (int j = 0; j < NN; ++j) acc[i * NN + j] = fmadd<L>(xv[i], wv[j], acc[i * NN + j]);
   }
+  if (Kf < K) {
+    for (int i = 0; i < M; ++i)
+      for (int j = 0; j < NN; ++j) {
+        float t[L];
+        std::memcpy(t, &acc[i * NN + j], sizeof(t));
+        for (int64_t k = Kf; k < K; ++k)
+          t[k - Kf] = __builtin_fmaf(x[i * xst + k], to_f32(w[j * wst + k]), t[k - Kf]);
+        std::memcpy(&acc[i * NN + j], t, sizeof(t));
+      }
+  }
+  float y[M * NN];
+  tree_sum_many<L, M * NN>(acc, y);
+  for (int i = 0; i < M; ++i)
+    for (int j = 0; j < NN; ++j) o[i * ost + j] = y[i * NN + j];
+}
+
+template <int L, class W>
+using BlockFn = void (*)(const float*, int64_t, const W*, int64_t, int64_t, float*, int64_t);
+
+template <int L, class W, int M, int... NNs>
+static constexpr void fill_row(BlockFn<L, W> (&t)[MR_FEW][NR], std::integer_sequence<int, NNs...>) {
+  ((t[M - 1][NNs] = &block<L, W, M, NNs + 1>), ...);
+}
+template <int L, class W, int... Ms>
+static constexpr void fill(BlockFn<L, W> (&t)[MR_FEW][NR], std::integer_sequence<int, Ms...>) {
+  ((fill_row<L, W, Ms + 1>(t, std::make_integer_sequence<int, (Ms < MR ? NR : NR_FEW)>{})), ...);
+}
+
+// Every M x NN instance, indexed [M - 1][NN - 1]: M <= MR with NN <= NR (the tiling for
+// many rows), MR < M <= MR_FEW with NN <= NR_FEW (a group of a few rows in one block).
+template <int L, class W>
+struct Blocks {
+  BlockFn<L, W> fn[MR_FEW][NR] = {};
+  constexpr Blocks() { fill<L, W>(fn, std::make_integer_sequence<int, MR_FEW>{}); }
 };
-static_assert(MR == 4, "Blocks fills rows 1..4");
 
 // Widen rows of a bf16/fp16 matrix to fp32 (exact), so the inner loop loads fp32 only.
 template <class T>
@@ -115,44 +116,36 @@ static void widen(const T* src, int64_t st, int64_t rows, int64_t K, std::vector
 }
 
 struct Scratch {
-  std::vector<float> x, w;
+  std::vector<float> x;
 };
 
 // One work item: rows r0..r1 of group g (all in one group) x output columns c0..c1.
 template <int L, class T>
 static void tile(const Args& a, int64_t g, int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                  Scratch& s) {
-  constexpr bool wide = std::is_same_v<T, float>;
-  static constexpr Blocks<L, !wide> blocks{};
+  static constexpr Blocks<L, T> blocks{};
   const int64_t K = a.K;
   const T* xg = static_cast<const T*>(a.x) + r0 * a.x_st;
   const T* wg = static_cast<const T*>(a.w) + a.wsel[g] * a.w_se;
   const float* xs;
   int64_t xst;
-  if constexpr (wide) {
-    xs = reinterpret_cast<const float*>(xg);
+  if constexpr (std::is_same_v<T, float>) {
+    xs = xg;
     xst = a.x_st;
   } else {  // the item's rows, widened once
     widen(xg, a.x_st, r1 - r0, K, s.x);
     xs = s.x.data();
     xst = K;
   }
-  for (int64_t c = c0; c < c1; c += NR) {
-    const int nn = int(std::min<int64_t>(NR, c1 - c));
-    const float* wp;
-    int64_t wst;
-    if constexpr (wide) {
-      wp = reinterpret_cast<const float*>(wg + c * a.w_sn);
-      wst = a.w_sn;
-    } else {  // this panel of weight rows, widened once for all the item's rows
-      widen(wg + c * a.w_sn, a.w_sn, nn, K, s.w);
-      wp = s.w.data();
-      wst = K;
-    }
-    for (int64_t r = r0; r < r1; r += MR) {
-      const int m = int(std::min<int64_t>(MR, r1 - r));
-      blocks.fn[m - 1][nn - 1](xs + (r - r0) * xst, xst, wp, wst, K, a.out + r * a.o_st + c,
-                               a.o_st);
+  const int64_t rows = r1 - r0;
+  const int64_t mr = rows > MR && rows <= MR_FEW ? rows : MR;
+  const int64_t nr = mr > MR ? NR_FEW : NR;
+  for (int64_t c = c0; c < c1; c += nr) {
+    const int nn = int(std::min<int64_t>(nr, c1 - c));
+    for (int64_t r = r0; r < r1; r += mr) {
+      const int m = int(std::min<int64_t>(mr, r1 - r));
+      blocks.fn[m - 1][nn - 1](xs + (r - r0) * xst, xst, wg + c * a.w_sn, a.w_sn, K,
+                               a.out + r * a.o_st + c, a.o_st);
     }
   }
 }

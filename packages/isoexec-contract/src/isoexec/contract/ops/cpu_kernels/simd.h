@@ -87,6 +87,66 @@ template <int L> static inline float tree_sum(vf<L> v) {
   return a[0];
 }
 
+// tree_sum of N vectors at once, out[i] = tree_sum(v[i]) bit for bit: the same pairwise
+// adds, done for several vectors per instruction. Each fold halves the lanes every vector
+// still holds and packs two vectors' halves into one (segment j of the result holds vector
+// j's partial sums), so N vectors of L lanes take about N vector adds instead of N * (L - 1)
+// scalar ones. Addition is commutative in IEEE arithmetic, so lane placement cannot change
+// a bit; only which lanes are added (the tree) does, and that is tree_sum's.
+template <int L, int W> struct FoldMasks {  // W: the segment width before this fold
+  int32_t lo[L], hi[L];
+  constexpr FoldMasks() : lo(), hi() {
+    constexpr int segs = L / W;  // segments per input vector
+    for (int o = 0; o < L; ++o) {
+      const int j = o / (W / 2), t = o % (W / 2);
+      const int src = j < segs ? 0 : L;
+      lo[o] = src + (j % segs) * W + t;
+      hi[o] = lo[o] + W / 2;
+    }
+  }
+};
+template <int L, int W> static inline vf<L> fold(vf<L> u, vf<L> w) {
+  static constexpr FoldMasks<L, W> m{};
+  vi<L> lo, hi;
+  std::memcpy(&lo, m.lo, sizeof(lo));
+  std::memcpy(&hi, m.hi, sizeof(hi));
+  return __builtin_shuffle(u, w, lo) + __builtin_shuffle(u, w, hi);
+}
+template <int L, int W, int P> static inline void fold_all(vf<L> (&v)[P]) {
+  if constexpr (W > 1) {
+    for (int i = 0; i < P / 2; ++i) v[i] = fold<L, W>(v[2 * i], v[2 * i + 1]);
+    if constexpr (P % 2) v[P / 2] = fold<L, W>(v[P - 1], vf<L>{});
+    fold_all<L, W / 2, (P + 1) / 2>(reinterpret_cast<vf<L>(&)[(P + 1) / 2]>(v));
+  }
+}
+template <int L, int N> static inline void tree_sum_many(const vf<L> (&v)[N], float* out) {
+  constexpr int P = (N + L - 1) / L;  // vectors left after the folds, L sums each
+  vf<L> w[N];
+  for (int i = 0; i < N; ++i) w[i] = v[i];
+  fold_all<L, L, N>(w);
+  float r[P * L];
+  std::memcpy(r, w, sizeof(r));
+  for (int i = 0; i < N; ++i) out[i] = r[i];
+}
+
+// Transpose a 16 x 16 fp32 block held as 16 row vectors (data movement only, no arithmetic):
+// four butterfly stages, stage d swapping bit d of the row index with bit d of the column.
+static inline void transpose16(vf<16> (&r)[16]) {
+  for (int d = 8; d >= 1; d /= 2) {
+    vi<16> lo, hi;
+    for (int c = 0; c < 16; ++c) {
+      lo[c] = (c & d) ? 16 + c - d : c;
+      hi[c] = (c & d) ? 16 + c : c + d;
+    }
+    for (int i = 0; i < 16; ++i)
+      if (!(i & d)) {
+        const vf<16> a = r[i], b = r[i + d];
+        r[i] = __builtin_shuffle(a, b, lo);
+        r[i + d] = __builtin_shuffle(a, b, hi);
+      }
+  }
+}
+
 // Canonical exp for x <= 0 (softmax exponents), per lane: Cephes-style range reduction and
 // degree-6 polynomial, about 1 ulp. x < -87 gives 0 (below fp32's normal range); -inf gives 0.
 template <int L> static inline vf<L> exp_nonpos(vf<L> x) {
