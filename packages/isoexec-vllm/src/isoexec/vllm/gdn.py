@@ -11,9 +11,12 @@ request of a step on its own, in token order, through the canonical ops:
 A chunk of a prefill, a whole prefill and a decode step are then the same computation,
 continued from the stored states. IsoExec owns both reading and writing the GDN state cache
 (`GDNStateCache`): conv state `[slot, kernel-1, channels]` (last raw pre-conv inputs, model
-dtype; vLLM's "DS" layout is read through a transposed view) and recurrent state in vLLM's
-*declared* layout `[slot, HV, V, K]`, fp32 (the stock CPU kernel reinterprets it as
-`[slot, HV, K, V]`; IsoExec never shares the cache with that kernel).
+dtype; vLLM's "DS" layout is read through a transposed view) and recurrent state, fp32, in
+vLLM's *declared* shape `[slot, HV, V, K]`. Only this layer reads or writes it, so where the
+state is square (K == V: every Qwen3-Next / Qwen3.5 checkpoint) IsoExec stores it as
+`[slot, HV, K, V]`, as the stock CPU kernel also does: the kernel's own row layout, which the
+in-place engine step updates with no transposition. Otherwise it keeps `[slot, HV, V, K]`
+and reads it through a transposed view.
 
 Qwen3-Next's full-attention layers gate their output with `sigmoid(gate)` inline in the
 model code; `IsoQwen3NextAttention` does the same with the position-invariant sigmoid.
@@ -96,22 +99,24 @@ class GDNStateCache:
                 f"recurrent state dtype {ssm.dtype}: IsoExec pins fp32 "
                 "(mamba_ssm_cache_dtype=bfloat16 rounds the state at every step)"
             )
-        self.ssm = ssm  # [slot, HV, V, K]
+        # [slot, HV, K, V] (the declared [slot, HV, V, K] shape, square: stored k-major), or
+        # a transposed view of [slot, HV, V, K]
+        self.ssm_kv = ssm if ssm.shape[-1] == ssm.shape[-2] else ssm.transpose(-1, -2)
 
     def states_kv(self) -> torch.Tensor:
-        """The recurrent states as [slot, HV, K, V] (a view of vLLM's [slot, HV, V, K])."""
-        return self.ssm.transpose(-1, -2)
+        """The recurrent states as [slot, HV, K, V] (a view of the cache)."""
+        return self.ssm_kv
 
     def write_conv(self, slots: torch.Tensor, conv: torch.Tensor) -> None:
         self.conv[slots] = conv.to(self.conv.dtype)
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv states [B, W-1, C], recurrent states [B, HV, K, V] fp32) of `slots`."""
-        return self.conv[slots], self.ssm[slots].transpose(-1, -2)
+        return self.conv[slots], self.ssm_kv[slots]
 
     def write(self, slots: torch.Tensor, conv: torch.Tensor, state: torch.Tensor) -> None:
         self.conv[slots] = conv.to(self.conv.dtype)
-        self.ssm[slots] = state.transpose(-1, -2)
+        self.ssm_kv[slots] = state
 
 
 # ---- the GDN layer ---------------------------------------------------------------------------

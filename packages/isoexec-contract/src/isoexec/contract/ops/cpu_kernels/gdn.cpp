@@ -213,39 +213,40 @@ static inline void load_cols(vf<W>* x, const float* src, int64_t nvalid) {
 // dst = src * d, m = Σ_k dst[k] * kn[k] over a block's rows (the first half of a token;
 // src may be dst).
 template <int NV>
-static inline void decay_and_m(const float* src, float* dst, int64_t K, float d, const float* kn,
-                               vf<W>* m) {
+static inline void decay_and_m(const float* src, float* dst, int64_t K, int64_t ld, float d,
+                               const float* kn, vf<W>* m) {
   const vf<W> dv = splat<W>(d);
   for (int u = 0; u < NV; ++u) m[u] = splat<W>(0.0f);
   for (int64_t k = 0; k < K; ++k) {
     const vf<W> kx = splat<W>(kn[k]);
     for (int u = 0; u < NV; ++u) {
-      const vf<W> r = load<W>(src + k * NV * W + u * W) * dv;
+      const vf<W> r = load<W>(src + k * ld + u * W) * dv;
       m[u] = m[u] + r * kx;
-      store<W>(dst + k * NV * W + u * W, r);
+      store<W>(dst + k * ld + u * W, r);
     }
   }
 }
 
 // S += kn ⊗ δ, o = Σ_k S[k] * qn[k] (the second half of a token); with NEXT, the first half of
 // the next token fused into the same pass (the same ops on each element, the same order).
-// cp: where to save S after this token (a checkpoint), or null.
+// Sb: the state block's rows, ld floats apart; cp: where to save S after this token (a
+// checkpoint, rows cp_ld apart), or null.
 template <int NV, bool NEXT>
-static inline void update(float* Sb, int64_t K, const float* kn, const float* qn,
+static inline void update(float* Sb, int64_t K, int64_t ld, const float* kn, const float* qn,
                           const vf<W>* delta, vf<W>* o, float dnext, const float* kn_next,
-                          vf<W>* m, float* cp, int64_t ld, int64_t nvalid) {
+                          vf<W>* m, float* cp, int64_t cp_ld, int64_t nvalid) {
   const vf<W> dn = splat<W>(dnext);
   for (int u = 0; u < NV; ++u) {
     o[u] = splat<W>(0.0f);
     if (NEXT) m[u] = splat<W>(0.0f);
   }
   for (int64_t k = 0; k < K; ++k) {
-    float* row = Sb + k * NV * W;
+    float* row = Sb + k * ld;
     const vf<W> kk = splat<W>(kn[k]), qq = splat<W>(qn[k]);
     vf<W> r[NV];
     for (int u = 0; u < NV; ++u) r[u] = load<W>(row + u * W) + kk * delta[u];
     for (int u = 0; u < NV; ++u) o[u] = o[u] + r[u] * qq;
-    if (cp != nullptr) store_cols<NV>(cp + k * ld, r, nvalid);
+    if (cp != nullptr) store_cols<NV>(cp + k * cp_ld, r, nvalid);
     if (NEXT) {
       const vf<W> kx = splat<W>(kn_next[k]);
       for (int u = 0; u < NV; ++u) {
@@ -269,6 +270,33 @@ struct FwdOut {
   int64_t s_slot, s_h, s_k, s_v;
 };
 
+// A state cache stored k contiguous (an engine's [V, K] per head) is copied to and from the
+// kernel's [nb][k][VB] scratch by 16 x 16 transposes (copies only: the element-wise copy's
+// bits). (A cache stored v contiguous needs no copy: see `direct` in fwd_item.)
+template <int VB>
+static inline bool cache_transposable(const FwdOut& F, int64_t K, int64_t V) {
+  return F.s_k == 1 && K % 16 == 0 && V % VB == 0;
+}
+template <int VB, bool LOAD>
+static void cache_blocks(float* S, float* c, const FwdOut& F, int64_t K, int64_t V) {
+  vf<16> r[16];
+  for (int64_t nb = 0; nb < V / VB; ++nb)
+    for (int64_t u = 0; u < VB; u += 16)
+      for (int64_t k0 = 0; k0 < K; k0 += 16) {
+        float* s = S + (nb * K + k0) * VB + u;  // row i: k = k0 + i, columns v = nb*VB+u ..
+        float* g = c + k0 + (nb * VB + u) * F.s_v;  // row j: v = nb*VB+u+j, k = k0 ..
+        if (LOAD) {
+          for (int j = 0; j < 16; ++j) r[j] = load<16>(g + j * F.s_v);
+          transpose16(r);
+          for (int i = 0; i < 16; ++i) store<16>(s + i * VB, r[i]);
+        } else {
+          for (int i = 0; i < 16; ++i) r[i] = load<16>(s + i * VB);
+          transpose16(r);
+          for (int j = 0; j < 16; ++j) store<16>(g + j * F.s_v, r[j]);
+        }
+      }
+}
+
 template <int VB, class QT>
 static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<float>& scratch) {
   constexpr int NV = VB / W;
@@ -285,14 +313,25 @@ static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<f
   float* dec = vv + TC * Vp;
   float* beta = dec + TC;
   const float* s0 = F.state0 == nullptr ? nullptr : F.state0 + item * K * V;
-  if (F.slots != nullptr) {  // the whole state is read before anything is written back
+  // An engine cache whose rows are the kernel's (v contiguous, whole column blocks): the
+  // state is updated where it lies, no copy in or out (the same ops on the same values).
+  float* direct = nullptr;
+  if (F.slots != nullptr && F.s_v == 1 && V % VB == 0) {
+    direct = F.state_out + F.slots[bi] * F.s_slot + h * F.s_h;
+    if (F.state0 == nullptr)
+      for (int64_t k = 0; k < K; ++k) std::fill(direct + k * F.s_k, direct + k * F.s_k + V, 0.0f);
+    s0 = nullptr;
+  } else if (F.slots != nullptr) {  // the whole state is read before anything is written back
     const float* c = F.state0 == nullptr ? nullptr : F.state0 + F.slots[bi] * F.s_slot + h * F.s_h;
-    for (int64_t nb = 0; nb < NB; ++nb)
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < VB; ++j) {
-          const int64_t v = nb * VB + j;
-          S[(nb * K + k) * VB + j] = c != nullptr && v < V ? c[k * F.s_k + v * F.s_v] : 0.0f;
-        }
+    if (c != nullptr && cache_transposable<VB>(F, K, V))
+      cache_blocks<VB, true>(S, const_cast<float*>(c), F, K, V);
+    else
+      for (int64_t nb = 0; nb < NB; ++nb)
+        for (int64_t k = 0; k < K; ++k)
+          for (int64_t j = 0; j < VB; ++j) {
+            const int64_t v = nb * VB + j;
+            S[(nb * K + k) * VB + j] = c != nullptr && v < V ? c[k * F.s_k + v * F.s_v] : 0.0f;
+          }
     s0 = nullptr;
   } else {
     for (int64_t nb = 0; nb < NB; ++nb)
@@ -312,10 +351,11 @@ static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<f
     const int64_t t1 = std::min(T, t0 + TC), n = t1 - t0;
     prep<QT>(A, bi, h, t0, t1, Vp, qn, kn, vv, dec, beta);
     for (int64_t nb = 0; nb < NB; ++nb) {
-      float* Sb = S + nb * K * VB;
+      float* Sb = direct != nullptr ? direct + nb * VB : S + nb * K * VB;
+      const int64_t ld = direct != nullptr ? F.s_k : VB;  // floats between state rows k
       const int64_t c0 = nb * VB, nvalid = std::min<int64_t>(VB, V - c0);
       vf<W> m[NV], delta[NV], o[NV];
-      decay_and_m<NV>(Sb, Sb, K, dec[0], kn, m);
+      decay_and_m<NV>(Sb, Sb, K, ld, dec[0], kn, m);
       for (int64_t i = 0; i < n; ++i) {
         const int64_t t = t0 + i;
         const vf<W> bt = splat<W>(beta[i]);
@@ -324,17 +364,22 @@ static void fwd_item(const Args& A, const FwdOut& F, int64_t item, std::vector<f
         if (F.ckpt != nullptr && (t + 1) % N == 0 && t + 1 < T)
           cp = F.ckpt + ((item * NC + (t + 1) / N) * K) * V + c0;
         if (i + 1 < n)
-          update<NV, true>(Sb, K, kn + i * K, qn + i * K, delta, o, dec[i + 1],
+          update<NV, true>(Sb, K, ld, kn + i * K, qn + i * K, delta, o, dec[i + 1],
                            kn + (i + 1) * K, m, cp, V, nvalid);
         else
-          update<NV, false>(Sb, K, kn + i * K, qn + i * K, delta, o, 0.0f, nullptr, m, cp, V,
+          update<NV, false>(Sb, K, ld, kn + i * K, qn + i * K, delta, o, 0.0f, nullptr, m, cp, V,
                             nvalid);
         store_cols<NV>(F.out + ((bi * T + t) * A.HV + h) * V + c0, o, nvalid);
       }
     }
   }
+  if (direct != nullptr) return;
   if (F.slots != nullptr) {
     float* c = F.state_out + F.slots[bi] * F.s_slot + h * F.s_h;
+    if (cache_transposable<VB>(F, K, V)) {
+      cache_blocks<VB, false>(S, c, F, K, V);
+      return;
+    }
     for (int64_t nb = 0; nb < NB; ++nb)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t j = 0; j < VB && nb * VB + j < V; ++j)
