@@ -239,3 +239,23 @@ def test_norm_rope_act_backward_matches_float64():
         return torch.cat([t1 * c - t2 * s, t2 * c + t1 * s, t[..., 8:]], -1)
 
     assert_grads_match_float64(lambda t: apply_rope(t, cos, sin, 8), rope64, (xr,))
+
+
+def test_rope_table_lookup_equals_computed_tables():
+    """The engine's rope reads cos/sin from a table of positions 0..n-1 (built once, rebuilt
+    when a position reaches past it): bit for bit `rope_cos_sin` of the same positions, in
+    any order and batch, past the first table's end too; a negative position is computed."""
+    from isoexec.contract.ops import rope as rope_mod
+
+    rope_mod._TABLES.clear()
+    g = torch.Generator().manual_seed(3)
+    for hi in (50, 5000, 70000):  # within the first table, then two rebuilds
+        pos = torch.randint(0, hi, (37,), generator=g)
+        for rot, base in ((64, 10000.0), (32, 1e6)):
+            want = rope_cos_sin(pos, rot, base)
+            got = rope_mod.rope_cos_sin_table(pos, rot, base)
+            assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (hi, rot)
+    assert rope_mod._TABLES[(64, 10000.0, "cpu")][0].shape[0] == 1 << 17
+    neg = torch.tensor([-3, 4])
+    got, want = rope_mod.rope_cos_sin_table(neg, 64, 1e4), rope_cos_sin(neg, 64, 1e4)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from isoexec.contract import ops
+from isoexec.contract.ops.rope import rope_cos_sin_table
 
 
 def _mod(backend: str) -> ModuleType:
@@ -134,7 +135,10 @@ def _rope(
 ) -> Tensor:
     """RoPE on x [T, heads * head_size] (or any shape with T rows) at `positions` [T]."""
     o = _mod(backend)
-    cos, sin = o.rope_cos_sin(positions.reshape(-1), rotary_dim, base)
+    # on CPU by table lookup (the same bits; every backend's table is the torch canonical
+    # `rope_cos_sin`); on CUDA computed in place (a lookup's size check would sync the step)
+    table = rope_cos_sin_table if positions.device.type == "cpu" else o.rope_cos_sin
+    cos, sin = table(positions.reshape(-1), rotary_dim, base)
     out = o.apply_rope(x.reshape(cos.shape[0], -1, head_size), cos, sin, rotary_dim)
     return _own(out.reshape(x.shape), x)
 

@@ -80,7 +80,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
         "isoexec.rope.neox_fp32",
         1,
         {"style": "neox", "table": "fp32"},
-        (rope.rope_inv_freq, rope.rope_cos_sin, rope.apply_rope),
+        (rope.rope_inv_freq, rope.rope_cos_sin, rope.rope_cos_sin_table, rope.apply_rope),
     ),
     "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
     "attention": (

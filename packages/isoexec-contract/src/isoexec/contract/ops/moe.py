@@ -8,10 +8,11 @@ fixed fp32 lanes (one fused multiply-add per product, k ascending) with a fixed 
 computed whole by one thread, so its bits depend only on its own row and the expert's
 weights (not on how many tokens the expert got, the thread count or the ISA). v3 fuses the
 fp32 multiply-add (v2 rounded the fp32 product first: other fp32 bits, the same bf16/fp16
-bits, whose products are exact), halving the kernel's arithmetic. v1 ran `gemm.linear` per expert instead: 32-row zero-padded oneDNN blocks,
-so a decode step with 1-4 tokens per expert paid for 32 rows. The shared expert and its gate
-run through the same kernel (one group holding every token). silu·up is the canonical
-`silu_mul`; bf16/fp16 round where v1 did (after each projection and after silu·up).
+bits, whose products are exact), halving the kernel's arithmetic. v1 ran `gemm.linear` per
+expert instead: 32-row zero-padded oneDNN blocks, so a decode step with 1-4 tokens per
+expert paid for 32 rows. The shared expert and its gate run through the same kernel (one
+group holding every token). silu·up is the canonical `silu_mul`; bf16/fp16 round where v1
+did (after each projection and after silu·up).
 
 The weighted sum over a token's k experts runs in ascending expert id in fp32 and is
 rounded once; the shared expert (sigmoid-gated) is added last. Expert weights are stacked as
@@ -241,8 +242,10 @@ def moe_experts(
     wsel = torch.arange(n_local)
     rows = x[sel // k] if x.dim() == 2 else x.reshape(t * k, -1)[sel]
     h = silu_mul(_linear(rows, w13, offsets, wsel, lanes))
-    return out.reshape(t * k, -1).index_put((sel,), _linear(h, w2, offsets, wsel, lanes)).view(
-        out.shape
+    return (
+        out.reshape(t * k, -1)
+        .index_put((sel,), _linear(h, w2, offsets, wsel, lanes))
+        .view(out.shape)
     )
 
 

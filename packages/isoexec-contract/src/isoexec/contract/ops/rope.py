@@ -30,6 +30,35 @@ def rope_cos_sin(
     return pw.cos(freqs), pw.sin(freqs)
 
 
+# (rotary_dim, base, device) -> (cos, sin) for positions 0 .. n-1
+_TABLES: dict[tuple[int, float, str], tuple[torch.Tensor, torch.Tensor]] = {}
+_MIN_TABLE = 4096
+
+
+def rope_cos_sin_table(
+    positions: torch.Tensor, rotary_dim: int, base: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`rope_cos_sin` by lookup in a table of positions 0..n-1, built once per (rotary_dim,
+    base, device) and rebuilt twice as long when a position reaches past it.
+
+    The same bits as `rope_cos_sin` (an entry depends only on its position, so the table's
+    row p is what `rope_cos_sin` computes for p anywhere); an engine step then does two
+    lookups per layer instead of recomputing the padded cos/sin of every position.
+    """
+    pos = positions.reshape(-1)
+    if pos.numel() == 0 or int(pos.min()) < 0:
+        return rope_cos_sin(pos, rotary_dim, base)
+    need = int(pos.max()) + 1
+    key = (rotary_dim, float(base), str(pos.device))
+    table = _TABLES.get(key)
+    if table is None or table[0].shape[0] < need:
+        n = max(_MIN_TABLE, 1 << (need - 1).bit_length())
+        table = rope_cos_sin(torch.arange(n, device=pos.device), rotary_dim, base)
+        _TABLES[key] = table
+    idx = pos.long()
+    return table[0][idx], table[1][idx]
+
+
 def apply_rope(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None
 ) -> torch.Tensor:
