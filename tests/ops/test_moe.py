@@ -188,8 +188,11 @@ def test_grouped_gemm_rows_alone_and_accuracy(dtype, k):
     from isoexec.contract.ops import moe
 
     g = torch.Generator().manual_seed(6)
-    n, offsets, wsel = 37, torch.tensor([0, 1, 6, 45, 47]), torch.tensor([3, 0, 2, 1])
-    x = torch.randn(47, k, generator=g).to(dtype)
+    # groups of 1 and 2 rows (4-row blocks), 5 and 14 (one block of the group's rows: 2 and
+    # 1 weight rows wide), 39 (4 x 4 blocks and an edge)
+    n, offsets = 37, torch.tensor([0, 1, 6, 20, 59, 61])
+    wsel = torch.tensor([3, 0, 1, 2, 1])
+    x = torch.randn(61, k, generator=g).to(dtype)
     w = (torch.randn(4, n, k, generator=g) * k**-0.5).to(dtype)
     y = moe._grouped_gemm(x, w, offsets, wsel, moe.DEFAULT_LANES)
     for grp, e in enumerate(wsel.tolist()):

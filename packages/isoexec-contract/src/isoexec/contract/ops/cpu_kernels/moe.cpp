@@ -26,8 +26,10 @@ using namespace isx;
 constexpr int MR = 4;          // x rows per register block
 constexpr int NR = 4;          // weight rows (output columns) per register block
 // A group of at most MR_FEW rows (an expert at decode) runs as one block of all its rows and
-// NR_FEW weight rows, so each weight row is loaded (and widened) once, not once per 4 rows.
-constexpr int MR_FEW = 12, NR_FEW = 2;
+// few_cols(rows) weight rows (at most 24 accumulators), so each weight row is loaded (and
+// widened) once, not once per 4 rows.
+constexpr int MR_FEW = 16;
+constexpr int few_cols(int rows) { return rows <= MR ? NR : rows <= 12 ? 2 : 1; }
 constexpr int64_t TILE_R = 32;  // rows per work item
 // Output columns per work item: narrow tiles when there are few rows (decode: enough items
 // for every thread), wide ones for many rows (prefill: a weight tile stays in L2 across the
@@ -53,16 +55,16 @@ static void block(const float* x, int64_t xst, const W* w, int64_t wst, int64_t 
   const int64_t Kf = K / L * L;
   for (int64_t k = 0; k < Kf; k += L) {
     vf<L> xv[M], wv[NN];
-#pragma GCC unroll 12
+#pragma GCC unroll 16
     for (int i = 0; i < M; ++i) xv[i] = load<L>(x + i * xst + k);
-#pragma GCC unroll 12
+#pragma GCC unroll 16
     for (int j = 0; j < NN; ++j) {
       wv[j] = load<L>(w + j * wst + k);
       __builtin_prefetch(w + (NN + j) * wst + k);  // the next panel (decode is memory-bound)
     }
-#pragma GCC unroll 12
+#pragma GCC unroll 16
     for (int i = 0; i < M; ++i)
-#pragma GCC unroll 12
+#pragma GCC unroll 16
       for (int j = 0; j < NN; ++j) acc[i * NN + j] = fmadd<L>(xv[i], wv[j], acc[i * NN + j]);
   }
   if (Kf < K) {
@@ -90,11 +92,11 @@ static constexpr void fill_row(BlockFn<L, W> (&t)[MR_FEW][NR], std::integer_sequ
 }
 template <int L, class W, int... Ms>
 static constexpr void fill(BlockFn<L, W> (&t)[MR_FEW][NR], std::integer_sequence<int, Ms...>) {
-  ((fill_row<L, W, Ms + 1>(t, std::make_integer_sequence<int, (Ms < MR ? NR : NR_FEW)>{})), ...);
+  ((fill_row<L, W, Ms + 1>(t, std::make_integer_sequence<int, few_cols(Ms + 1)>{})), ...);
 }
 
 // Every M x NN instance, indexed [M - 1][NN - 1]: M <= MR with NN <= NR (the tiling for
-// many rows), MR < M <= MR_FEW with NN <= NR_FEW (a group of a few rows in one block).
+// many rows), MR < M <= MR_FEW with NN <= few_cols(M) (a group of a few rows in one block).
 template <int L, class W>
 struct Blocks {
   BlockFn<L, W> fn[MR_FEW][NR] = {};
@@ -139,7 +141,7 @@ static void tile(const Args& a, int64_t g, int64_t r0, int64_t r1, int64_t c0, i
   }
   const int64_t rows = r1 - r0;
   const int64_t mr = rows > MR && rows <= MR_FEW ? rows : MR;
-  const int64_t nr = mr > MR ? NR_FEW : NR;
+  const int64_t nr = few_cols(int(mr));
   for (int64_t c = c0; c < c1; c += nr) {
     const int nn = int(std::min<int64_t>(nr, c1 - c));
     for (int64_t r = r0; r < r1; r += mr) {
