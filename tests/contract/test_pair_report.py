@@ -65,3 +65,19 @@ def test_arm_result_by_temperature_table_json_plot(tmp_path: Path) -> None:
     assert arm["timings_s"]["engine_start"] == 1.0 and arm["verdict"] == "MATCH"
     plot = write_plot(tmp_path, "tiny", "float32", [iso, stock])
     assert plot is not None and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_results_json_is_strict_when_an_arm_has_no_tokens(tmp_path: Path) -> None:
+    """An arm that scored no tokens has no statistics (NaN in memory): results.json writes
+    them as null, never the non-JSON `NaN` that strict readers reject."""
+    empty = torch.tensor([])
+    arm = arm_result("stock", "n/a (stock arm)", empty, empty, [])
+    assert arm.stats is not None and math.isnan(arm.stats.max_abs_diff)
+    text = write_results(tmp_path, "tiny", "float32", [arm]).read_text()
+    assert "NaN" not in text
+
+    def strict(token: str) -> None:
+        raise ValueError(token)
+
+    doc = json.loads(text, parse_constant=strict)
+    assert doc["arms"][0]["stats"]["max_abs_diff"] is None

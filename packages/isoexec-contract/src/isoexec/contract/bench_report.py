@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
-import json
-import math
 import os
 import platform
 import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from . import strict_json
 
 RESULTS_FILE = "bench.json"
 PLOT_FILE = "bench.png"
@@ -198,18 +198,8 @@ def write_results(out: Path, doc: Mapping[str, Any]) -> Path:
     """`bench.json` (strict JSON: a non-finite number is written as null)."""
     out.mkdir(parents=True, exist_ok=True)
     path = out / RESULTS_FILE
-    path.write_text(json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n")
+    path.write_text(strict_json.dumps(doc))
     return path
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float):
-        return value if math.isfinite(value) else None
-    if isinstance(value, Mapping):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
 
 
 def write_plot(out: Path, doc: Mapping[str, Any]) -> Path | None:

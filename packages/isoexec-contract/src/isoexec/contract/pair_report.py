@@ -10,12 +10,12 @@ samples drawn from the engine: non-negative, exactly 0 when every token is bitwi
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from . import strict_json
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "pair.png"
@@ -168,14 +168,8 @@ def format_table(model: str, dtype: str, results: Sequence[ArmResult]) -> str:
 def write_results(out: Path, model: str, dtype: str, results: Sequence[ArmResult]) -> Path:
     path = out / RESULTS_FILE
     doc = {"model": model, "dtype": dtype, "arms": [r.to_json() for r in results]}
-    path.write_text(json.dumps(doc, indent=2, default=_json_default) + "\n")
+    path.write_text(strict_json.dumps(doc))
     return path
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def write_plot(out: Path, model: str, dtype: str, results: Sequence[ArmResult]) -> Path | None:
