@@ -18,8 +18,6 @@ compiled-op library stubbed, a capability faked) resolves the IsoExec class, or 
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -41,9 +39,9 @@ from isoexec.contract.ops import get_backend_impl
 from isoexec.vllm import cuda_attention as ca
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.readback import _impl_of
+from tests._support.interpreter import pytest_under_interpreter
 
 HERE = Path(__file__).resolve()
-ROOT = HERE.parents[2]
 CUDA = torch.cuda.is_available()
 H, HKV, D, BS = 4, 2, 32, 16
 SCALE = D**-0.5
@@ -402,16 +400,4 @@ def test_isolated_cuda_platform_selects_isoexec(
 @pytest.mark.skipif(CUDA, reason="a CUDA machine runs the isolated tests in-process")
 @pytest.mark.skipif(_interpreting(), reason="already under the interpreter")
 def test_isolated_under_interpreter() -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONUNBUFFERED": "1"}
-    args = ["-q", "-p", "no:cacheprovider", str(HERE), "-k", "kernel or isolated_cuda"]
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", *args],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"under TRITON_INTERPRET=1:\n{out[-6000:]}"
-    assert "skipped" not in out.splitlines()[-1], out[-2000:]
+    pytest_under_interpreter(str(HERE), "-k", "kernel or isolated_cuda")
