@@ -205,6 +205,42 @@ def test_grouped_gemm_rows_alone_and_accuracy(dtype, k):
             assert torch.equal(alone[0], y[r]), (grp, r)
 
 
+def _written_order(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
+    """moe.cpp's definition spelled out in torch: lane l accumulates x[m, k] * w[n, k] for
+    k = l, l + lanes, .. in order, then the lanes meet in simd.h's pairwise tree. For bf16 and
+    fp16 inputs the fp32 product is exact, so the kernel's fused multiply-add equals torch's
+    product-then-add here."""
+    xf, wf = x.float(), w.float()
+    acc = torch.zeros(x.shape[0], w.shape[0], lanes)
+    for k in range(x.shape[1]):
+        acc[:, :, k % lanes] = acc[:, :, k % lanes] + xf[:, k, None] * wf[None, :, k]
+    width = lanes // 2
+    while width >= 1:
+        acc[:, :, :width] = acc[:, :, :width] + acc[:, :, width : 2 * width]
+        width //= 2
+    return acc[:, :, 0]
+
+
+@pytest.mark.parametrize("lanes", [16, 8])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_gemm_is_its_written_order(dtype, lanes):
+    """The kernel's bits are the order its header writes down, for every register block it
+    picks: groups of 1..17 rows (4-row blocks, one block of the group's rows 2 or 1 weight
+    rows wide, 4 x 4 blocks past 16) and 39, 37 output columns (edge blocks), a K tail."""
+    from isoexec.contract.ops import moe
+
+    g = torch.Generator().manual_seed(12)
+    sizes = [*range(1, 18), 39]
+    offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    wsel = torch.arange(len(sizes)) % 3
+    x = torch.randn(int(offsets[-1]), 100, generator=g).to(dtype)
+    w = (torch.randn(3, 37, 100, generator=g) * 0.1).to(dtype)
+    y = moe._grouped_gemm(x, w, offsets, wsel, lanes)
+    for grp, e in enumerate(wsel.tolist()):
+        a, b = int(offsets[grp]), int(offsets[grp + 1])
+        assert torch.equal(y[a:b], _written_order(x[a:b], w[e], lanes)), sizes[grp]
+
+
 def test_negative_control_v1_onednn_blocks_differ():
     """v1's experts (32-row zero-padded oneDNN blocks, FMA, its own K blocking) give other bits
     than the kernel: the fixed order is a real choice, so a side on v1 must not MATCH."""
