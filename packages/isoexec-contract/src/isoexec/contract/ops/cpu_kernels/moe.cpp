@@ -103,7 +103,8 @@ struct Blocks {
   constexpr Blocks() { fill<L, W>(fn, std::make_integer_sequence<int, MR_FEW>{}); }
 };
 
-// Widen rows of a bf16/fp16 matrix to fp32 (exact), so the inner loop loads fp32 only.
+// Widen an item's bf16/fp16 x rows to fp32 (exact) once: every weight row of the item reads
+// them (weights are widened in registers as they stream, see `load`).
 template <class T>
 static void widen(const T* src, int64_t st, int64_t rows, int64_t K, std::vector<float>& dst) {
   constexpr int V = 16;
