@@ -316,9 +316,9 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     parallel, qwen3_moe_dir: Path, monkeypatch
 ) -> None:
     """A bf16 trainer's GEMM sites (linears, TP leaves) record the library for CPU bf16
-    (`gemm_library`), which is what the engine's lookup gives in the same place. The MoE
-    experts run IsoExec's own compiled grouped GEMM (moe_combine since v2): no library, and the
-    engine's lookup gives the same impl."""
+    (`gemm_library`), which is what the engine's lookup gives in the same place. The bf16 MoE
+    experts run the linear's blocks (moe_combine v4) and record the same library; the engine's
+    lookup gives the same impl."""
     from types import SimpleNamespace
 
     from isoexec.contract.ops.gemm import gemm_library
@@ -330,7 +330,11 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     gemm_sites = [s for s in c.sites if s.impl.op in ops.GEMM_DTYPES]
     assert {s.impl.op for s in gemm_sites} == {"linear"}
     moe_sites = [s for s in c.sites if s.impl.op == "moe_combine"]
-    assert moe_sites and all("gemm" not in s.impl.param_dict() for s in moe_sites)
+    assert moe_sites
+    for s in moe_sites:
+        params = s.impl.param_dict()
+        assert params["kernel"] == "linear-blocks", s.name
+        assert params["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
     for s in gemm_sites:
         assert s.impl.param_dict()["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
         assert s.impl == ops.get_impl(s.impl.op, device="cpu", dtype=torch.bfloat16), s.name

@@ -179,14 +179,20 @@ def _branch(monkeypatch, dtype: torch.dtype) -> str:
 def test_gemm_library_names_the_branch_block_gemm_takes(monkeypatch):
     assert _branch(monkeypatch, torch.float32) == "prepacked"
     assert gemm_library("cpu", torch.float32) == "onednn-prepacked"
-    assert _branch(monkeypatch, torch.bfloat16) == "mm"  # torch.mm: oneDNN where it has bf16
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    assert gemm_library("cpu", torch.bfloat16) == ("onednn" if bf16 else "aten-cpublas")
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN has bf16 on this CPU
+    assert _branch(monkeypatch, torch.bfloat16) == ("prepacked" if bf16 else "mm")
+    assert gemm_library("cpu", torch.bfloat16) == ("onednn-prepacked" if bf16 else "aten-cpublas")
+    assert _branch(monkeypatch, torch.float16) == "mm"  # torch.mm: oneDNN where it has fp16
+    fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
+    assert gemm_library("cpu", torch.float16) == ("onednn" if fp16 else "aten-cpublas")
     blas = "mkl" if torch.backends.mkl.is_available() else gemm._cpu_blas()
-    # Without our oneDNN path: fp32 goes to torch.mm, i.e. the build's BLAS.
+    # Without our oneDNN path: fp32 goes to torch.mm, i.e. the build's BLAS; bf16 to torch.mm
+    # too, which hands it to oneDNN's matmul where oneDNN has bf16.
     monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
     assert _branch(monkeypatch, torch.float32) == "mm"
     assert gemm_library("cpu", torch.float32) == blas
+    assert _branch(monkeypatch, torch.bfloat16) == "mm"
+    assert gemm_library("cpu", torch.bfloat16) == ("onednn" if bf16 else "aten-cpublas")
     # Without oneDNN at all, bf16 torch.mm cannot use it either.
     monkeypatch.undo()
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -233,8 +239,8 @@ def test_gemm_library_is_the_library_that_runs():
     lib, log = runs["fp32-no-onednn"]
     assert lib == "mkl" and "SGEMM" in log and "onednn_verbose" not in log
     lib, log = runs["bf16"]
-    if lib == "onednn":
-        assert ",matmul," in log and "MKL_VERBOSE" not in log
+    if lib == "onednn-prepacked":
+        assert ",inner_product," in log and "MKL_VERBOSE" not in log
 
 
 def test_gemm_library_on_cuda_records_the_flags_that_change_bits():

@@ -1,6 +1,7 @@
 """MoE: router ties and renormalisation, a token's output independent of which other tokens
 share its experts (and of threads), accuracy, backward; native F.linear experts and v1's
-32-row oneDNN blocks differ; the grouped GEMM kernel's bits are its source's."""
+32-row oneDNN blocks differ in fp32; the grouped GEMM kernel's bits are its source's; bf16 and
+fp16 experts are the canonical linear's blocks (v4)."""
 
 from __future__ import annotations
 
@@ -299,16 +300,33 @@ def test_backward_with_shared_expert_and_slot_inputs_matches_float64():
     assert_grads_match_float64(fn, ref, inputs)
 
 
-def test_registry_v3_fingerprint_covers_the_kernel_source(monkeypatch):
-    """moe_combine v3 records the kernel's lanes (no GEMM library: it runs no `_block_gemm`),
-    and its fingerprint changes when moe.cpp's text does; another op's does not."""
-    from isoexec.contract.ops import GEMM_DTYPES, REGISTRY, cpu_kernels, get_impl, moe
+def test_registry_v4_records_which_expert_gemm_runs(monkeypatch):
+    """moe_combine v4 records the grouped kernel and its lanes in fp32 (no GEMM library: no
+    `_block_gemm` runs), and in bf16/fp16 the linear's blocks with their library, exactly as
+    a linear site in that dtype records it; its fingerprint changes when moe.cpp's text
+    does, another op's does not."""
+    from isoexec.contract.ops import (
+        GEMM_DTYPES,
+        REGISTRY,
+        cpu_kernels,
+        depends_on_placement,
+        get_impl,
+        moe,
+    )
+    from isoexec.contract.ops.gemm import gemm_library
 
     info = REGISTRY["moe_combine"]
-    assert info.version == 3 and "moe_combine" not in GEMM_DTYPES
+    assert info.version == 4 and "moe_combine" not in GEMM_DTYPES
+    assert depends_on_placement("moe_combine") and not depends_on_placement("rms_norm")
     params = info.param_dict()
-    assert params["lanes"] == "16" and "block_rows" not in params and "gemm" not in params
-    assert get_impl("moe_combine", device="cuda", dtype=torch.bfloat16) == info
+    assert params["kernel"] == moe.GROUPED and params["lanes"] == "16"
+    assert "block_rows" not in params and "gemm" not in params
+    assert get_impl("moe_combine", device="cpu", dtype=torch.float32) == info
+    for dtype in (torch.bfloat16, torch.float16):
+        p = get_impl("moe_combine", device="cpu", dtype=dtype).param_dict()
+        assert p["kernel"] == moe.LINEAR_BLOCKS and p["block_rows"] == "32", dtype
+        assert p["gemm"] == gemm_library("cpu", dtype)
+        assert p["gemm"] == get_impl("linear", device="cpu", dtype=dtype).param_dict()["gemm"]
     assert moe.KERNEL_LIBRARIES == ("moe",) and "moe.cpp" in cpu_kernels.SOURCES["moe"]
     real = cpu_kernels.source_text
     monkeypatch.setattr(
@@ -318,7 +336,39 @@ def test_registry_v3_fingerprint_covers_the_kernel_source(monkeypatch):
     assert get_impl("rms_norm").source_fingerprint == REGISTRY["rms_norm"].source_fingerprint
 
 
-# sha256 of the grouped GEMM's output on fixed inputs, at moe_combine version 3. The bits
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_bf16_fp16_experts_are_the_canonical_linear_per_expert(dtype):
+    """In bf16/fp16 every expert's rows (and the shared expert's, all tokens) go through the
+    canonical `linear` with that expert's weight: the block GEMM and bits a linear site runs.
+    Negative control: the grouped kernel (the fp32 path, which also takes these dtypes) gives
+    other bits on the same inputs, so which GEMM runs is a real, recorded choice."""
+    from isoexec.contract.ops import linear, moe, silu_mul
+
+    x, w, ids, w13, w2, kw = _routed(dtype, 45, seed=11)
+    want = torch.empty(ids.shape[0], ids.shape[1], w2.shape[1], dtype=dtype)
+    for e in torch.unique(ids).tolist():
+        tok, slot = (ids == e).nonzero(as_tuple=True)
+        want[tok, slot] = linear(silu_mul(linear(x[tok], w13[e])), w2[e])
+    got = moe.moe_experts(x, ids, w13, w2)
+    assert torch.equal(got, want)
+    shared = linear(silu_mul(linear(x, kw["shared_w13"])), kw["shared_w2"])
+    gate = linear(x, kw["shared_gate_w"])
+    combined = moe.moe_weighted_sum(want, w, ids, shared_out=shared, shared_gate=gate)
+    assert torch.equal(moe_combine(x, w, ids, w13, w2, **kw), combined)
+    # Rounded to 8 (bf16) or 11 (fp16) bits, two fp32 orders agree on most elements: compare
+    # 64k outputs of 4096-term sums (bf16: ~12 straddle a rounding boundary, fp16 ~250).
+    g = torch.Generator().manual_seed(12)
+    rows = torch.randn(128, 4096, generator=g).to(dtype)
+    wk = (torch.randn(2, 512, 4096, generator=g) * 4096**-0.5).to(dtype)
+    offsets, wsel = torch.tensor([0, 128]), torch.tensor([1])
+    kernel = moe._grouped_gemm(rows, wk, offsets, wsel, moe.DEFAULT_LANES).to(dtype)
+    blocks = moe._forward(rows, wk, offsets, wsel, moe.DEFAULT_LANES)
+    assert torch.equal(blocks, linear(rows, wk[1])) and not torch.equal(kernel, blocks)
+    assert (kernel.float() - blocks.float()).abs().max() < 0.05
+
+
+# sha256 of the grouped GEMM's output on fixed inputs (moe_combine's fp32 experts since v3;
+# in bf16 the kernel alone, which moe_combine no longer runs there since v4). The bits
 # are defined by the kernel's source alone (explicit lanes, one fused multiply-add per
 # product, no other contraction, no reassociation), so they are the same on every CPU this
 # runs on (CI draws Intel and AMD machines). (The silu/sigmoid around it are torch's
@@ -337,7 +387,7 @@ def test_saved_bits_v3(dtype):
 
     from isoexec.contract.ops import REGISTRY, moe
 
-    assert REGISTRY["moe_combine"].version == 3
+    assert REGISTRY["moe_combine"].version == 4
     g = torch.Generator().manual_seed(10)
     x = torch.randn(45, 100, generator=g).to(dtype)
     w = (torch.randn(3, 37, 100, generator=g) * 0.1).to(dtype)

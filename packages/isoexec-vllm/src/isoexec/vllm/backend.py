@@ -33,8 +33,9 @@ def engine_ops() -> CompiledOps:
 
 def engine_impl(op: str, **params: object) -> ImplInfo:
     """What a site running `op` on the engine's backend records (for a GEMM op, the library
-    for the device and dtype the engine builds its model on and in, `engine_placement`)."""
-    where = engine_placement() if op in ops.GEMM_DTYPES else {}
+    for the device and dtype the engine builds its model on and in, `engine_placement`; for
+    an op whose algorithm depends on them, the one that runs there)."""
+    where = engine_placement() if ops.depends_on_placement(op) else {}
     return ops.get_backend_impl(op, engine_options().backend, **where, **params)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.impl import ImplInfo
+from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError, _with_canonical_linear
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
@@ -53,7 +54,9 @@ class IsoUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
         return hidden_size, intermediate_size_per_partition  # padding would change the GEMMs
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        return None
+        # bf16/fp16 experts run the linear's blocks on packed expert slices, cached per
+        # parameter: vLLM wrote these through `.data`, which the cache cannot see
+        clear_packed_weight_cache()
 
     def apply(self, layer: torch.nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise UnsupportedSiteError(

@@ -124,12 +124,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "moe_combine": (
         "isoexec.moe_combine.ascending",
-        3,
+        4,
         {
             "order": "ascending-expert",
             "accum": "fp32",
             "lanes": moe.DEFAULT_LANES,
-            "kernel": "cxx-vector-ext-fma",
+            "kernel": moe.GROUPED,
         },
         (moe.moe_weighted_sum, moe.moe_experts, moe.moe_combine),
     ),
@@ -154,10 +154,22 @@ _COMMON = (_pointwise.padded_length, _pointwise.pointwise)
 
 # Ops whose GEMMs are `gemm._block_gemm`, and the dtype those GEMMs run in (None: the site's
 # dtype; the TP leaves are fp32 whatever the model's). Their "gemm" parameter is the library.
-# (`moe_combine` runs its own compiled grouped GEMM since v2: no library to record.)
 GEMM_DTYPES: MappingProxyType[str, torch.dtype | None] = MappingProxyType(
     {"linear": None, "linear_tp": torch.float32}
 )
+# Ops whose algorithm depends on the site's device and dtype, and the parameters that say
+# which runs there: `moe_combine`'s experts run the grouped kernel in fp32 and the linear's
+# blocks (with its library) in bf16/fp16 (`moe.impl_params`).
+PLACEMENT_PARAMS: MappingProxyType[str, Callable[[torch.device | str, torch.dtype], dict]] = (
+    MappingProxyType({"moe_combine": moe.impl_params})
+)
+
+
+def depends_on_placement(op: str) -> bool:
+    """Whether `op`'s ImplInfo depends on where and in what dtype its site runs (a site must
+    then pass its device and dtype to `get_impl`)."""
+    return op in GEMM_DTYPES or op in PLACEMENT_PARAMS
+
 
 # Registry entries that compute another entry's op by a different algorithm: the contract
 # records the site's op ("linear") and tells the algorithms apart by impl_id, so a TP-invariant
@@ -178,8 +190,9 @@ def get_impl(
     variant whose kernels were called with those parameters.
 
     `device`/`dtype`: where and in what the site runs. A GEMM op (`GEMM_DTYPES`) records
-    `gemm.gemm_library` for them, so a side on another library never MATCHes; the other ops
-    ignore them. The defaults (CPU, fp32) are what `REGISTRY` describes: a site passes its own.
+    `gemm.gemm_library` for them, so a side on another library never MATCHes; an op in
+    `PLACEMENT_PARAMS` records which algorithm runs there; the other ops ignore them. The
+    defaults (CPU, fp32) are what `REGISTRY` describes: a site passes its own.
     """
     if op not in _SPECS:
         raise KeyError(f"unknown op {op!r}; known: {sorted(_SPECS)}")
@@ -190,6 +203,8 @@ def get_impl(
     merged = {**defaults, **params}
     if op in GEMM_DTYPES:
         merged["gemm"] = gemm.gemm_library(device, GEMM_DTYPES[op] or dtype)
+    if op in PLACEMENT_PARAMS:
+        merged.update(PLACEMENT_PARAMS[op](device, dtype))
     fp = _fingerprint(*fns)
     return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
 
@@ -265,6 +280,7 @@ __all__ = [
     "BACKENDS",
     "GEMM_DTYPES",
     "OP_OF_VARIANT",
+    "PLACEMENT_PARAMS",
     "REGISTRY",
     "apply_rope",
     "attention_paged",
@@ -272,6 +288,7 @@ __all__ = [
     "attn_output_gate",
     "backend_ops",
     "combine_leaf_stats",
+    "depends_on_placement",
     "gated_rms_norm",
     "gather_paged_kv",
     "gdn_conv",

@@ -6,8 +6,11 @@ repeatable whatever the other rows hold and wherever the row sits in the block, 
 cut into blocks of R (the last one zero-padded) and each block runs the same GEMM.
 
 On CPU the fp32 GEMM goes through oneDNN (prepacked weight), not MKL: MKL's sgemm gives
-different bits with 1 and 2 threads for R >= 16; oneDNN's does not (measured). bf16 uses
-`torch.mm`, which is oneDNN already. Accumulation is fp32 and the result is rounded once.
+different bits with 1 and 2 threads for R >= 16; oneDNN's does not (measured). bf16 takes the
+same prepacked oneDNN primitive where oneDNN has bf16 on this CPU (AMX or AVX-512 BF16): the
+bits of `torch.mm` (oneDNN's matmul), measured equal over K 7..2048 and N 1..2304 at 1 and 2
+threads, at ~1.5x its speed (the weight is not reordered on every call); elsewhere bf16 and
+fp16 use `torch.mm`. Accumulation is fp32 and the result is rounded once.
 
 The TP-invariant variant cuts K into G fixed leaves (each leaf an fp32 GEMM of the same
 shape) and sums them with a fixed binary tree, so TP=1, 2, 4 ranks holding G/TP leaves each
@@ -19,6 +22,7 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -56,6 +60,22 @@ def _onednn_available() -> bool:
     )
 
 
+def _prepacked(dtype: torch.dtype) -> bool:
+    """Whether CPU GEMMs in `dtype` run oneDNN's prepacked primitive (`_linear_pointwise`):
+    fp32 wherever torch has it, bf16 where oneDNN also has bf16 on this CPU; fp16 never."""
+    if dtype == torch.float32:
+        return _onednn_available()
+    if dtype == torch.bfloat16:
+        return _onednn_available() and _onednn_has_bf16()
+    return False
+
+
+@cache
+def _onednn_has_bf16() -> bool:
+    """oneDNN has bf16 kernels on this CPU (a property of the hardware: asked once)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 # oneDNN's fp32 math modes that are exact fp32 ("none": inherit, which defaults to ieee).
 _EXACT_FP32 = frozenset({"none", "ieee", "highest"})
 
@@ -65,8 +85,9 @@ def gemm_library(device: torch.device | str, dtype: torch.dtype) -> str:
     its bits: what a GEMM site records, so two sides MATCH only if the same library runs.
 
     CPU fp32: "onednn-prepacked" (`_linear_pointwise`), else `torch.mm` on the build's BLAS
-    ("mkl", "openblas", "blas-<name>"). CPU bf16/fp16: `torch.mm`, oneDNN where it supports
-    the dtype on this CPU, else ATen's own CPU GEMM ("aten-cpublas"). A oneDNN fp32 math mode
+    ("mkl", "openblas", "blas-<name>"). CPU bf16: "onednn-prepacked" where oneDNN has bf16
+    on this CPU. CPU bf16 elsewhere and fp16: `torch.mm`, oneDNN where it supports the dtype
+    ("onednn"), else ATen's own CPU GEMM ("aten-cpublas"). A oneDNN fp32 math mode
     other than IEEE (`torch.backends.mkldnn.matmul.fp32_precision`) is appended. CUDA: the
     cuBLAS flavour `torch.mm` prefers plus the flag that lets it reduce precision for this
     dtype (TF32 for fp32, reduced-precision reductions for bf16/fp16). Any other device or
@@ -79,6 +100,8 @@ def gemm_library(device: torch.device | str, dtype: torch.dtype) -> str:
         return _cuda_gemm(dtype)
     onednn = bool(torch.backends.mkldnn.is_available())
     if dtype != torch.float32:  # oneDNN's fp32 math mode does not apply to bf16/fp16 inputs
+        if _prepacked(dtype):
+            return "onednn-prepacked"
         supported = (
             torch.ops.mkldnn._is_mkldnn_bf16_supported
             if dtype == torch.bfloat16
@@ -86,7 +109,7 @@ def gemm_library(device: torch.device | str, dtype: torch.dtype) -> str:
         )
         return "onednn" if onednn and supported() else "aten-cpublas"
     precision = _onednn_fp32_precision()
-    if _onednn_available():
+    if _prepacked(dtype):
         lib = "onednn-prepacked"
     elif onednn and precision not in _EXACT_FP32:
         lib = "onednn"  # `torch.mm` hands fp32 to oneDNN in a reduced math mode
@@ -162,8 +185,8 @@ def _owning_parameter(weight: torch.Tensor) -> torch.nn.Parameter | None:
 
 
 def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """oneDNN-prepacked fp32 weight; cached per (parameter, slice, version, storage, R) when
-    the cache is enabled.
+    """oneDNN-prepacked weight (fp32 or bf16); cached per (parameter, slice, version,
+    storage, R) when the cache is enabled.
 
     Packing costs about one weight copy; the cache makes decode steps not pay it (for MoE, per
     expert slice of the stacked weights). An in-place update bumps `_version` (shared by a
@@ -196,14 +219,17 @@ def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch
     r = block_rows
     mp = -(-m // r) * r if m else 0
     xp = x.contiguous() if mp == m else torch.nn.functional.pad(x, (0, 0, 0, mp - m))
-    out = torch.empty(mp, n, dtype=x.dtype, device=x.device)
-    if x.device.type == "cpu" and x.dtype == torch.float32 and _onednn_available():
+    if x.device.type == "cpu" and _prepacked(x.dtype):
         wp = _packed_weight(weight, r)
+        if mp == r:  # one block (a decode step, an expert's rows): its output as is
+            return torch.ops.mkldnn._linear_pointwise(xp, wp, None, "none", [None], "")[:m]
+        out = torch.empty(mp, n, dtype=x.dtype, device=x.device)
         for i in range(0, mp, r):
             out[i : i + r] = torch.ops.mkldnn._linear_pointwise(
                 xp[i : i + r], wp, None, "none", [None], ""
             )
     else:
+        out = torch.empty(mp, n, dtype=x.dtype, device=x.device)
         wt = weight.t()
         for i in range(0, mp, r):
             torch.mm(xp[i : i + r], wt, out=out[i : i + r])

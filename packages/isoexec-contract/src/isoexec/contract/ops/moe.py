@@ -1,18 +1,27 @@
 """Canonical MoE: router (fp32 softmax, top-k with ties to the lower expert index) and
-experts + combine (grouped fixed-order GEMMs, ascending-expert fixed-order fp32 sum).
+experts + combine (fixed-shape or fixed-order expert GEMMs, ascending-expert fp32 sum).
 
-Why: a token's output must not depend on which other tokens share its experts. On CPU the
-expert GEMMs are one compiled grouped GEMM (`cpu_kernels/moe.cpp`): the routed slots are
-sorted by expert (ascending, stable) and each output element is a dot product over `lanes`
-fixed fp32 lanes (one fused multiply-add per product, k ascending) with a fixed tree,
-computed whole by one thread, so its bits depend only on its own row and the expert's
-weights (not on how many tokens the expert got, the thread count or the ISA). v3 fuses the
-fp32 multiply-add (v2 rounded the fp32 product first: other fp32 bits, the same bf16/fp16
-bits, whose products are exact), halving the kernel's arithmetic. v1 ran `gemm.linear` per
-expert instead: 32-row zero-padded oneDNN blocks, so a decode step with 1-4 tokens per
-expert paid for 32 rows. The shared expert and its gate run through the same kernel (one
-group holding every token). silu·up is the canonical `silu_mul`; bf16/fp16 round where v1
-did (after each projection and after silu·up).
+Why: a token's output must not depend on which other tokens share its experts. The routed
+slots are sorted by expert (ascending, stable) into one group of rows per expert, and each
+group's GEMM gives every row bits that depend only on that row and the expert's weights
+(not on how many tokens the expert got, or the thread count). Which GEMM runs depends on the
+dtype (`expert_gemm`, recorded in the contract by `impl_params`):
+
+- fp32: one compiled grouped GEMM (`cpu_kernels/moe.cpp`): each output element is a dot
+  product over `lanes` fixed fp32 lanes (one fused multiply-add per product, k ascending)
+  with a fixed tree, computed whole by one thread: the same bits on every x86 CPU.
+- bf16 / fp16 (v4): the canonical `linear`'s block GEMM per group (fixed 32-row zero-padded
+  blocks; oneDNN's prepacked primitive, AMX where the CPU has it), whose library is recorded
+  as every linear's is. A decode step's padded rows cost little on bf16 matrix units; the
+  grouped kernel's fp32 vector FMAs ran the medium model's bf16 experts ~1.8x slower at
+  decode and ~10x at prefill (one thread, Sapphire Rapids). (The grouped kernel still takes
+  bf16/fp16: its tests pin its order there too.)
+
+History: v1 ran the block GEMM in every dtype (fp32 decode paid for 32 rows per expert); v2
+the grouped kernel in every dtype; v3 fused its fp32 multiply-add (v2 rounded the fp32 product
+first); v4 moves bf16/fp16 back to the blocks. The shared expert and its gate are one group
+holding every token. silu·up is the canonical `silu_mul`; bf16/fp16 round after each
+projection and after silu·up.
 
 The weighted sum over a token's k experts runs in ascending expert id in fp32 and is
 rounded once; the shared expert (sigmoid-gated) is added last. Expert weights are stacked as
@@ -31,7 +40,7 @@ from functools import cache
 import torch
 
 from . import _pointwise as pw
-from . import cpu_kernels
+from . import cpu_kernels, gemm
 from .activation import silu_mul
 
 # The compiled libraries whose sources define this module's bits (in the op fingerprint).
@@ -43,6 +52,26 @@ LANES = (8, 16)
 _DTYPES = cpu_kernels.DTYPE_CODES
 _I64 = cpu_kernels.I64
 _PTR = cpu_kernels.PTR
+
+
+# `expert_gemm` values: the compiled grouped kernel, or the canonical linear's row blocks.
+GROUPED = "cxx-vector-ext-fma"
+LINEAR_BLOCKS = "linear-blocks"
+
+
+def expert_gemm(dtype: torch.dtype) -> str:
+    """Which GEMM the experts run in `dtype`: GROUPED (fp32) or LINEAR_BLOCKS (bf16, fp16)."""
+    return GROUPED if dtype == torch.float32 else LINEAR_BLOCKS
+
+
+def impl_params(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
+    """The contract parameters that say which expert GEMM a site on (device, dtype) runs:
+    the kernel, and for the blocks their rows and `gemm.gemm_library` (as a linear's)."""
+    kind = expert_gemm(dtype)
+    if kind == GROUPED:
+        return {"kernel": GROUPED}
+    lib = gemm.gemm_library(device, dtype)
+    return {"kernel": kind, "block_rows": gemm.DEFAULT_BLOCK_ROWS, "gemm": lib}
 
 
 @cache
@@ -92,9 +121,45 @@ def _grouped_gemm(
     return out
 
 
+def _block_groups(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor
+) -> torch.Tensor:
+    """x's dtype [S, N]: each group's rows through the canonical linear's block GEMM with its
+    expert's weight (a slice of the stacked parameter: the engine's packed-weight cache keeps
+    one packed copy per expert)."""
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(
+            f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
+            "Triton backend's)"
+        )
+    if x.dtype != w.dtype or x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"moe: x {x.dtype}{tuple(x.shape)}, w {w.dtype}{tuple(w.shape)}")
+    cut = offsets.tolist()
+    ids = wsel.tolist()
+    rows = gemm.DEFAULT_BLOCK_ROWS
+    if len(ids) == 1 and cut == [0, x.shape[0]]:  # one group of every row (a shared expert)
+        return gemm._block_gemm(x, w[ids[0]], rows)
+    out = x.new_empty(x.shape[0], w.shape[1])
+    for g, e in enumerate(ids):
+        if cut[g + 1] > cut[g]:
+            out[cut[g] : cut[g + 1]] = gemm._block_gemm(x[cut[g] : cut[g + 1]], w[e], rows)
+    return out
+
+
+def _forward(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
+) -> torch.Tensor:
+    """Every group's GEMM, rounded once to x's dtype, by `expert_gemm(x.dtype)`."""
+    if expert_gemm(x.dtype) == GROUPED:
+        return _grouped_gemm(x, w, offsets, wsel, lanes).to(x.dtype)
+    if lanes not in LANES:  # not used by the blocks; refused alike, whatever the dtype
+        raise ValueError(f"moe: lanes={lanes} unsupported; the kernel has {LANES}")
+    return _block_groups(x, w, offsets, wsel)
+
+
 class _GroupedLinear(torch.autograd.Function):
-    """Forward: the canonical grouped GEMM, rounded once to x's dtype. Backward: plain fp32
-    torch GEMMs per group (correct, not bitwise)."""
+    """Forward: the canonical expert GEMMs (`_forward`), rounded once to x's dtype.
+    Backward: plain fp32 torch GEMMs per group (correct, not bitwise)."""
 
     @staticmethod
     def forward(
@@ -106,7 +171,7 @@ class _GroupedLinear(torch.autograd.Function):
         lanes: int,
     ) -> torch.Tensor:
         ctx.save_for_backward(x, w, offsets, wsel)
-        return _grouped_gemm(x.detach(), w.detach(), offsets, wsel, lanes).to(x.dtype)
+        return _forward(x.detach(), w.detach(), offsets, wsel, lanes)
 
     @staticmethod
     def backward(
@@ -136,15 +201,15 @@ class _GroupedLinear(torch.autograd.Function):
 def _linear(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
 ) -> torch.Tensor:
-    """The grouped GEMM rounded to x's dtype; through autograd only where a gradient is
+    """The expert GEMMs rounded to x's dtype; through autograd only where a gradient is
     wanted (an engine step skips the Function's bookkeeping: the same kernel and bits)."""
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _GroupedLinear.apply(x, w, offsets, wsel, lanes)
-    return _grouped_gemm(x, w, offsets, wsel, lanes).to(x.dtype)
+    return _forward(x, w, offsets, wsel, lanes)
 
 
 def _whole(x: torch.Tensor, w: torch.Tensor, lanes: int) -> torch.Tensor:
-    """x [T, K] times one weight w [N, K]^T through the grouped kernel (one group)."""
+    """x [T, K] times one weight w [N, K]^T as the experts' GEMM (one group)."""
     offsets = torch.tensor([0, x.shape[0]], dtype=torch.int64)
     return _linear(x, w[None], offsets, torch.zeros(1, dtype=torch.int64), lanes)
 
@@ -209,7 +274,7 @@ def moe_experts(
     first_expert: int = 0,
 ) -> torch.Tensor:
     """Expert outputs [T, k, H] (x's dtype): y = w2[e] · silu_mul(w13[e] · x) per (t, slot),
-    the slots sorted by expert (ascending, stable) into one grouped GEMM per projection.
+    the slots sorted by expert (ascending, stable) into one group per expert per projection.
 
     x is [T, H], or [T, k, H] with one input row per (token, slot) (all equal to the token's
     row): the same outputs, and under autograd each slot's input gradient stays its own, so a
