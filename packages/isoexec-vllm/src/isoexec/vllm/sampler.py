@@ -27,6 +27,9 @@ from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
+# A logprobs mode for which vLLM's `Sampler.sample` and top-k/top-p sampler compute nothing
+# (they compute for the processed_* modes only).
+_NO_LOGPROBS = "raw_logprobs"
 
 
 def canonical_logprobs(
@@ -36,6 +39,8 @@ def canonical_logprobs(
     if temperature is None:
         return backend_ops.log_softmax(logits)
     temps = torch.where(temperature < SAMPLING_EPS, 1.0, temperature).float().cpu()
+    if temps.numel() and bool((temps == temps[0]).all()):  # one temperature: no row copies
+        return backend_ops.log_softmax(logits, temperature=float(temps[0]))
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
     for t in torch.unique(temps).tolist():
         rows = (temps == t).nonzero().reshape(-1).to(logits.device)
@@ -75,6 +80,9 @@ class IsoSampler(Sampler):
                 f"IsoExec options say {wanted!r}: set both (the trainer takes the options)"
             )
         self.isoexec_impl = engine_impl("logprobs", mode=self.logprobs_mode)
+        # vLLM's own processed logprobs would be computed and thrown away (`sample` returns
+        # the canonical ones): its top-k/top-p sampler is told not to compute them.
+        self.topk_topp_sampler.logprobs_mode = _NO_LOGPROBS
         global _BUILT
         _BUILT = self  # the runner builds one per worker process, before the model loads
 
@@ -104,7 +112,8 @@ class IsoSampler(Sampler):
         raw = self.logprobs_mode == "raw_logprobs"
         temps = None if raw else sampling_metadata.temperature
         processed = canonical_logprobs(logits, temps, self.ops) if wanted else None
-        sampled, _ = super().sample(logits, sampling_metadata)
+        # (the override keeps vLLM's greedy branch from computing logprobs of its own)
+        sampled, _ = super().sample(logits, sampling_metadata, _NO_LOGPROBS)
         return sampled, processed
 
 
