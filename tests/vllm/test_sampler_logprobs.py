@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import torch
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.metadata import SamplingMetadata
 
 from isoexec.contract import ops
 from isoexec.vllm.sampler import IsoSampler, canonical_logprobs
-from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.metadata import SamplingMetadata
 
 V = 4096
 
