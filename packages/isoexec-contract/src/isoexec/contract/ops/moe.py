@@ -126,7 +126,12 @@ def _block_groups(
 ) -> torch.Tensor:
     """x's dtype [S, N]: each group's rows through the canonical linear's block GEMM with its
     expert's weight (a slice of the stacked parameter: the engine's packed-weight cache keeps
-    one packed copy per expert)."""
+    one packed copy per expert).
+
+    Every group's rows are laid out once in one zero-padded buffer, each group on its own run
+    of whole blocks, and read back with one row gather: the blocks `_block_gemm` would pad
+    group by group, and so its bits, with a few torch calls per projection instead of a few
+    per expert (a decode step's cost is mostly such calls)."""
     if x.device.type != "cpu" or w.device.type != "cpu":
         raise ValueError(
             f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
@@ -136,14 +141,26 @@ def _block_groups(
         raise ValueError(f"moe: x {x.dtype}{tuple(x.shape)}, w {w.dtype}{tuple(w.shape)}")
     cut = offsets.tolist()
     ids = wsel.tolist()
-    rows = gemm.DEFAULT_BLOCK_ROWS
+    r = gemm.DEFAULT_BLOCK_ROWS
     if len(ids) == 1 and cut == [0, x.shape[0]]:  # one group of every row (a shared expert)
-        return gemm._block_gemm(x, w[ids[0]], rows)
-    out = x.new_empty(x.shape[0], w.shape[1])
+        return gemm._block_gemm(x, w[ids[0]], r)
+    # group g's rows start at block row `start[g]` of the padded buffer
+    start, dest, outs, at = [], [], [], 0
+    for g in range(len(ids)):
+        n = cut[g + 1] - cut[g]
+        start.append(at)
+        if n:
+            dest.append(torch.arange(at, at + n))
+        at += -(-n // r) * r
+    if not dest:
+        return x.new_empty(0, w.shape[1])
+    where = torch.cat(dest)
+    xp = x.new_zeros(at, x.shape[1]).index_copy_(0, where, x)
     for g, e in enumerate(ids):
         if cut[g + 1] > cut[g]:
-            out[cut[g] : cut[g + 1]] = gemm._block_gemm(x[cut[g] : cut[g + 1]], w[e], rows)
-    return out
+            end = start[g + 1] if g + 1 < len(ids) else at
+            outs.append(gemm._block_gemm(xp[start[g] : end], w[e], r))
+    return torch.cat(outs).index_select(0, where)
 
 
 def _forward(
