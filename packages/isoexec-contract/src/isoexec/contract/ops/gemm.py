@@ -267,7 +267,11 @@ def linear(
     if weight.dtype != x.dtype:
         raise TypeError(f"linear: x {x.dtype} and weight {weight.dtype} differ")
     lead = x.shape[:-1]
-    y = _BlockLinear.apply(x.reshape(-1, x.shape[-1]), weight, block_rows)
+    x2 = x.reshape(-1, x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        y = _BlockLinear.apply(x2, weight, block_rows)
+    else:  # no gradient wanted (an engine step): the same GEMM without autograd's bookkeeping
+        y = _block_gemm(x2, weight, block_rows)
     y = y.reshape(*lead, weight.shape[0])
     if bias is not None:
         y = y + bias.to(y.dtype)
