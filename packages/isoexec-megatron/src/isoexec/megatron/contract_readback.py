@@ -214,8 +214,10 @@ def trainer_contract(
 def _check_gemm_placement(
     model: torch.nn.Module, sites: Mapping[str, ImplInfo], model_dtype: str
 ) -> None:
-    """GEMM sites recorded their library for the device and dtype the config builds on
-    (`site_impl`); a model moved or cast since would carry wrong records: refused."""
+    """Sites whose implementation depends on placement (`ops.depends_on_placement`: a GEMM
+    site's library, the MoE site's expert GEMM) recorded it for the device and dtype the config
+    builds on (`site_impl`); a model moved or cast since would carry wrong records: refused.
+    Every model has linears, so the check runs whenever any site records a library."""
     config = getattr(model, "config", None)
     if config is None or not any("gemm" in i.param_dict() for i in sites.values()):
         return
