@@ -26,6 +26,7 @@ import ctypes
 import torch
 
 from . import cpu_kernels
+from ._autograd import grad_wanted
 
 # The compiled libraries whose sources define this module's bits (in the op fingerprint).
 KERNEL_LIBRARIES = ("attention",)
@@ -252,7 +253,7 @@ def attention_varlen(
         return q.new_empty(0, q.shape[1], v.shape[2])
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got {cu[0]}")
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if grad_wanted(q, k, v):
         out = _AttendVarlen.apply(q, k, v, cu, scale, lanes)
     else:
         out = _varlen_fwd(q, k, v, cu, scale, lanes)

@@ -27,6 +27,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import _pointwise as pw
 from . import cpu_kernels
+from ._autograd import grad_wanted
 
 # The compiled libraries whose sources define this module's bits (in the op fingerprint).
 KERNEL_LIBRARIES = ("gdn",)
@@ -407,7 +408,7 @@ def gdn_recurrence_in_place(
     argument must then be None: the states are the cache's)."""
     if state is not None:
         raise ValueError("gdn_recurrence_in_place: the states are the cache's, pass state=None")
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, a, b)):
+    if grad_wanted(q, k, v, a, b):
         raise ValueError("gdn_recurrence_in_place: no autograd (an engine step)")
     _check_cpu(q, k, v, a, b, A_log, dt_bias, cache)
     bsz, t, _hk, dk = q.shape
@@ -489,9 +490,7 @@ def _canonical(
     """The compiled kernel (fp32 outputs), through its autograd Function when a gradient is
     wanted."""
     _check_cpu(q, k, v, a, b, A_log, dt_bias, state)
-    if torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, a, b, A_log, dt_bias, state)
-    ):
+    if grad_wanted(q, k, v, a, b, A_log, dt_bias, state):
         return _Recurrence.apply(q, k, v, a, b, A_log, dt_bias, state)
     o, new_state, _ = _forward(q, k, v, a, b, A_log, dt_bias, state)
     return o, new_state

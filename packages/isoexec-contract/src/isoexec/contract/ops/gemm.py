@@ -26,6 +26,8 @@ from functools import cache
 
 import torch
 
+from ._autograd import grad_wanted
+
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_TP_LEAVES = 8
 
@@ -268,7 +270,7 @@ def linear(
         raise TypeError(f"linear: x {x.dtype} and weight {weight.dtype} differ")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    if grad_wanted(x, weight):
         y = _BlockLinear.apply(x2, weight, block_rows)
     else:  # no gradient wanted (an engine step): the same GEMM without autograd's bookkeeping
         y = _block_gemm(x2, weight, block_rows)

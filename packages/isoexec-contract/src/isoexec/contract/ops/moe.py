@@ -41,6 +41,7 @@ import torch
 
 from . import _pointwise as pw
 from . import cpu_kernels, gemm
+from ._autograd import grad_wanted
 from .activation import silu_mul
 
 # The compiled libraries whose sources define this module's bits (in the op fingerprint).
@@ -144,22 +145,21 @@ def _block_groups(
     r = gemm.DEFAULT_BLOCK_ROWS
     if len(ids) == 1 and cut == [0, x.shape[0]]:  # one group of every row (a shared expert)
         return gemm._block_gemm(x, w[ids[0]], r)
-    # group g's rows start at block row `start[g]` of the padded buffer
-    start, dest, outs, at = [], [], [], 0
-    for g in range(len(ids)):
+    # each non-empty group on its own whole blocks [a, b) of the padded buffer
+    spans: list[tuple[int, int, int]] = []
+    dest: list[torch.Tensor] = []
+    at = 0
+    for g, e in enumerate(ids):
         n = cut[g + 1] - cut[g]
-        start.append(at)
         if n:
             dest.append(torch.arange(at, at + n))
-        at += -(-n // r) * r
+            spans.append((at, at + -(-n // r) * r, e))
+            at = spans[-1][1]
     if not dest:
         return x.new_empty(0, w.shape[1])
     where = torch.cat(dest)
     xp = x.new_zeros(at, x.shape[1]).index_copy_(0, where, x)
-    for g, e in enumerate(ids):
-        if cut[g + 1] > cut[g]:
-            end = start[g + 1] if g + 1 < len(ids) else at
-            outs.append(gemm._block_gemm(xp[start[g] : end], w[e], r))
+    outs = [gemm._block_gemm(xp[a:b], w[e], r) for a, b, e in spans]
     return torch.cat(outs).index_select(0, where)
 
 
@@ -220,7 +220,7 @@ def _linear(
 ) -> torch.Tensor:
     """The expert GEMMs rounded to x's dtype; through autograd only where a gradient is
     wanted (an engine step skips the Function's bookkeeping: the same kernel and bits)."""
-    if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
+    if grad_wanted(x, w):
         return _GroupedLinear.apply(x, w, offsets, wsel, lanes)
     return _forward(x, w, offsets, wsel, lanes)
 
