@@ -39,10 +39,11 @@ def canonical_logprobs(
     if temperature is None:
         return backend_ops.log_softmax(logits)
     temps = torch.where(temperature < SAMPLING_EPS, 1.0, temperature).float().cpu()
-    if temps.numel() and bool((temps == temps[0]).all()):  # one temperature: no row copies
-        return backend_ops.log_softmax(logits, temperature=float(temps[0]))
+    groups = torch.unique(temps).tolist()
+    if len(groups) == 1:  # every row at one temperature: one call, no row copies
+        return backend_ops.log_softmax(logits, temperature=groups[0])
     out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
-    for t in torch.unique(temps).tolist():
+    for t in groups:
         rows = (temps == t).nonzero().reshape(-1).to(logits.device)
         out[rows] = backend_ops.log_softmax(logits[rows], temperature=t)
     return out
@@ -81,7 +82,9 @@ class IsoSampler(Sampler):
             )
         self.isoexec_impl = engine_impl("logprobs", mode=self.logprobs_mode)
         # vLLM's own processed logprobs would be computed and thrown away (`sample` returns
-        # the canonical ones): its top-k/top-p sampler is told not to compute them.
+        # the canonical ones): its top-k/top-p sampler is told not to compute them. Set on the
+        # built sampler, not by building one for another mode: its constructor picks the
+        # sampling kernel by mode (on CUDA, FlashInfer only outside the processed modes).
         self.topk_topp_sampler.logprobs_mode = _NO_LOGPROBS
         global _BUILT
         _BUILT = self  # the runner builds one per worker process, before the model loads
