@@ -2,8 +2,9 @@
 
 The medium `isoexec bench --family gdn` model: hidden 768, 8 experts of width 384, top-2,
 8 layers (each its own weights, so the step streams them from memory as the engine does),
-32 tokens, one thread. IsoExec: `ops.moe_experts` (bf16: the canonical linear's oneDNN
-blocks per expert, packed weights cached as in the engine). Native: vLLM's `cpu_fused_moe`
+32 tokens, one thread. IsoExec: `ops.moe_experts` (bf16: the AMX tile kernel where the CPU
+has AMX-BF16, else the canonical linear's oneDNN blocks per expert; packed weights cached as
+in the engine; the kernel is printed). Native: vLLM's `cpu_fused_moe`
 (AMX where the CPU has it, else its vector kernel) on its own prepacked weights. Arms
 alternate; medians. Prints ms per step, the ratio, and each arm's weight-streaming rate.
 
@@ -82,7 +83,7 @@ def main() -> None:
     mb = LAYERS * EXPERTS * 3 * WIDTH * HIDDEN * x.element_size() / 1e6
     print(f"MoE decode step: {args.tokens} tokens, {LAYERS} layers x {EXPERTS} experts "
           f"({mb:.0f} MB of weights), {args.dtype}, 1 thread, native isa {isa}")  # fmt: skip
-    print(f"  isoexec {mi * 1e3:7.2f} ms  ({mb / 1e3 / mi:5.1f} GB/s)")
+    print(f"  isoexec {mi * 1e3:7.2f} ms  ({mb / 1e3 / mi:5.1f} GB/s)  {moe.expert_gemm(dtype)}")
     print(f"  native  {mn * 1e3:7.2f} ms  ({mb / 1e3 / mn:5.1f} GB/s)")
     print(f"  ratio   {mi / mn:.2f}x")
 

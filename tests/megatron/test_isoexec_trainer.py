@@ -317,10 +317,12 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
 ) -> None:
     """A bf16 trainer's GEMM sites (linears, TP leaves) record the library for CPU bf16
     (`gemm_library`), which is what the engine's lookup gives in the same place. The bf16 MoE
-    experts run the linear's blocks (moe_combine v4) and record the same library; the engine's
-    lookup gives the same impl."""
+    experts record the expert GEMM this CPU runs (moe_combine v5: AMX tiles where the CPU has
+    them, else the linear's blocks with the same library as the linears); the engine's lookup
+    gives the same impl."""
     from types import SimpleNamespace
 
+    from isoexec.contract.ops import moe
     from isoexec.contract.ops.gemm import gemm_library
     from isoexec.contract.options import IsoExecOptions
 
@@ -333,8 +335,11 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     assert moe_sites
     for s in moe_sites:
         params = s.impl.param_dict()
-        assert params["kernel"] == "linear-blocks", s.name
-        assert params["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
+        assert params["kernel"] == moe.expert_gemm(torch.bfloat16), s.name
+        if params["kernel"] == moe.LINEAR_BLOCKS:
+            assert params["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
+        else:
+            assert params["kernel"] == moe.AMX_TILES and "gemm" not in params, s.name
     for s in gemm_sites:
         assert s.impl.param_dict()["gemm"] == gemm_library("cpu", torch.bfloat16), s.name
         assert s.impl == ops.get_impl(s.impl.op, device="cpu", dtype=torch.bfloat16), s.name

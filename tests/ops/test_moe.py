@@ -1,7 +1,8 @@
 """MoE: router ties and renormalisation, a token's output independent of which other tokens
 share its experts (and of threads), accuracy, backward; native F.linear experts and v1's
-32-row oneDNN blocks differ in fp32; the grouped GEMM kernel's bits are its source's; bf16 and
-fp16 experts are the canonical linear's blocks (v4)."""
+32-row oneDNN blocks differ in fp32; the grouped GEMM kernel's bits are its source's; bf16
+experts run on AMX tiles where the CPU has them (v5), else (and fp16) the canonical linear's
+blocks (v4)."""
 
 from __future__ import annotations
 
@@ -300,11 +301,12 @@ def test_backward_with_shared_expert_and_slot_inputs_matches_float64():
     assert_grads_match_float64(fn, ref, inputs)
 
 
-def test_registry_v4_records_which_expert_gemm_runs(monkeypatch):
-    """moe_combine v4 records the grouped kernel and its lanes in fp32 (no GEMM library: no
-    `_block_gemm` runs), and in bf16/fp16 the linear's blocks with their library, exactly as
-    a linear site in that dtype records it; its fingerprint changes when moe.cpp's text
-    does, another op's does not."""
+def test_registry_v5_records_which_expert_gemm_runs(monkeypatch):
+    """moe_combine v5 records the grouped kernel and its lanes in fp32 (no GEMM library: no
+    `_block_gemm` runs); in bf16 the AMX tile kernel and its k chunk where the CPU has
+    AMX-BF16, else (and in fp16) the linear's blocks with their library, exactly as a linear
+    site in that dtype records it; its fingerprint changes when moe.cpp's text does, another
+    op's does not."""
     from isoexec.contract.ops import (
         GEMM_DTYPES,
         REGISTRY,
@@ -316,17 +318,24 @@ def test_registry_v4_records_which_expert_gemm_runs(monkeypatch):
     from isoexec.contract.ops.gemm import gemm_library
 
     info = REGISTRY["moe_combine"]
-    assert info.version == 4 and "moe_combine" not in GEMM_DTYPES
+    assert info.version == 5 and "moe_combine" not in GEMM_DTYPES
     assert depends_on_placement("moe_combine") and not depends_on_placement("rms_norm")
     params = info.param_dict()
     assert params["kernel"] == moe.GROUPED and params["lanes"] == "16"
     assert "block_rows" not in params and "gemm" not in params
     assert get_impl("moe_combine", device="cpu", dtype=torch.float32) == info
-    for dtype in (torch.bfloat16, torch.float16):
-        p = get_impl("moe_combine", device="cpu", dtype=dtype).param_dict()
-        assert p["kernel"] == moe.LINEAR_BLOCKS and p["block_rows"] == "32", dtype
-        assert p["gemm"] == gemm_library("cpu", dtype)
-        assert p["gemm"] == get_impl("linear", device="cpu", dtype=dtype).param_dict()["gemm"]
+    for amx in (True, False):
+        monkeypatch.setattr(moe, "amx_available", lambda amx=amx: amx)
+        p = get_impl("moe_combine", device="cpu", dtype=torch.bfloat16).param_dict()
+        if amx:
+            assert p["kernel"] == moe.AMX_TILES and p["k_chunk"] == "32", p
+            assert "gemm" not in p and "block_rows" not in p
+        for dtype in (torch.bfloat16, torch.float16) if not amx else (torch.float16,):
+            p = get_impl("moe_combine", device="cpu", dtype=dtype).param_dict()
+            assert p["kernel"] == moe.LINEAR_BLOCKS and p["block_rows"] == "32", dtype
+            assert p["gemm"] == gemm_library("cpu", dtype)
+            lin = get_impl("linear", device="cpu", dtype=dtype).param_dict()
+            assert p["gemm"] == lin["gemm"]
     assert moe.KERNEL_LIBRARIES == ("moe",) and "moe.cpp" in cpu_kernels.SOURCES["moe"]
     real = cpu_kernels.source_text
     monkeypatch.setattr(
@@ -337,12 +346,16 @@ def test_registry_v4_records_which_expert_gemm_runs(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_bf16_fp16_experts_are_the_canonical_linear_per_expert(dtype):
-    """In bf16/fp16 every expert's rows (and the shared expert's, all tokens) go through the
-    canonical `linear` with that expert's weight: the block GEMM and bits a linear site runs.
-    Negative control: the grouped kernel (the fp32 path, which also takes these dtypes) gives
-    other bits on the same inputs, so which GEMM runs is a real, recorded choice."""
+def test_bf16_fp16_experts_are_the_canonical_linear_per_expert(dtype, monkeypatch):
+    """Without AMX (bf16) and in fp16, every expert's rows (and the shared expert's, all
+    tokens) go through the canonical `linear` with that expert's weight: the block GEMM and
+    bits a linear site runs. (On an AMX CPU the test turns AMX off: the path runs wherever
+    the CPU has none.) Negative control: the grouped kernel (the fp32 path, which also takes
+    these dtypes) gives other bits on the same inputs, so which GEMM runs is a real, recorded
+    choice."""
     from isoexec.contract.ops import linear, moe, silu_mul
+
+    monkeypatch.setattr(moe, "amx_available", lambda: False)
 
     x, w, ids, w13, w2, kw = _routed(dtype, 45, seed=11)
     want = torch.empty(ids.shape[0], ids.shape[1], w2.shape[1], dtype=dtype)
@@ -387,7 +400,7 @@ def test_saved_bits_v3(dtype):
 
     from isoexec.contract.ops import REGISTRY, moe
 
-    assert REGISTRY["moe_combine"].version == 4
+    assert REGISTRY["moe_combine"].version == 5  # v4 and v5 kept the grouped kernel's bits
     g = torch.Generator().manual_seed(10)
     x = torch.randn(45, 100, generator=g).to(dtype)
     w = (torch.randn(3, 37, 100, generator=g) * 0.1).to(dtype)

@@ -124,7 +124,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "moe_combine": (
         "isoexec.moe_combine.ascending",
-        4,
+        5,
         {
             "order": "ascending-expert",
             "accum": "fp32",
@@ -158,8 +158,8 @@ GEMM_DTYPES: MappingProxyType[str, torch.dtype | None] = MappingProxyType(
     {"linear": None, "linear_tp": torch.float32}
 )
 # Ops whose algorithm depends on the site's device and dtype, and the parameters that say
-# which runs there: `moe_combine`'s experts run the grouped kernel in fp32 and the linear's
-# blocks (with its library) in bf16/fp16 (`moe.impl_params`).
+# which runs there: `moe_combine`'s experts run the grouped kernel in fp32, AMX tiles in bf16
+# on a CPU with AMX-BF16, else the linear's blocks (with its library) (`moe.impl_params`).
 PLACEMENT_PARAMS: MappingProxyType[str, Callable[[torch.device | str, torch.dtype], dict]] = (
     MappingProxyType({"moe_combine": moe.impl_params})
 )

@@ -31,14 +31,15 @@ from ._autograd import grad_wanted
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_TP_LEAVES = 8
 
-# (id(parameter), storage offset, shape) -> (weakref to the parameter, stamp, packed weight)
-_PACK_CACHE: dict[tuple, tuple[weakref.ref, tuple[int, int, int], torch.Tensor]] = {}
+# (id(parameter), storage offset, shape, packing) -> (weakref to the parameter, stamp, packed)
+_PACK_CACHE: dict[tuple, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 # Off unless the owner of the weights turns it on (see `enable_packed_weight_cache`).
 _PACK_CACHE_ENABLED = False
 
 
 def enable_packed_weight_cache(enabled: bool = True) -> None:
-    """Let the fp32 CPU GEMM reuse prepacked weights across calls (decode speed).
+    """Let the CPU GEMMs reuse prepacked weights across calls (decode speed): the oneDNN
+    blocks' and the MoE experts' (`cached_pack`).
 
     Only a process that controls every weight update may turn this on: a write through
     `param.data` (vLLM's weight loaders, some optimizers) does not bump `_version`, so the
@@ -186,29 +187,40 @@ def _owning_parameter(weight: torch.Tensor) -> torch.nn.Parameter | None:
     return base if isinstance(base, torch.nn.Parameter) else None
 
 
-def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """oneDNN-prepacked weight (fp32 or bf16); cached per (parameter, slice, version,
-    storage, R) when the cache is enabled.
+def cached_pack(
+    weight: torch.Tensor, tag: object, pack: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """`pack(weight)`, a kernel's own layout of a weight; cached per (parameter, slice,
+    version, storage, tag) when the cache is enabled.
 
     Packing costs about one weight copy; the cache makes decode steps not pay it (for MoE, per
-    expert slice of the stacked weights). An in-place update bumps `_version` (shared by a
-    parameter and its views) and a new `.data` changes `data_ptr`: both repack; a write
+    expert slice or per stacked expert weight). An in-place update bumps `_version` (shared by
+    a parameter and its views) and a new `.data` changes `data_ptr`: both repack; a write
     through `.data` is invisible, hence the explicit enable/clear protocol.
     """
     param = _owning_parameter(weight) if _PACK_CACHE_ENABLED else None
     if param is None:
         # A temporary (a K-leaf slice, an upcast copy) is packed fresh — and under inference
         # mode it has no `_version` to stamp.
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
-    key = (id(param), weight.storage_offset(), tuple(weight.shape))
-    stamp = (param._version, param.data_ptr(), block_rows)
+        return pack(weight.detach())
+    key = (id(param), weight.storage_offset(), tuple(weight.shape), tag)
+    stamp = (param._version, param.data_ptr())
     hit = _PACK_CACHE.get(key)
     if hit is not None and hit[0]() is param and hit[1] == stamp:
         return hit[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), block_rows)
+    packed = pack(weight.detach())
     ref = weakref.ref(param, lambda _r, key=key: _PACK_CACHE.pop(key, None))
     _PACK_CACHE[key] = (ref, stamp, packed)
     return packed
+
+
+def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """oneDNN-prepacked weight (fp32 or bf16) for `block_rows`-row blocks (`cached_pack`)."""
+    return cached_pack(
+        weight,
+        ("onednn", block_rows),
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), block_rows),
+    )
 
 
 def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch.Tensor:

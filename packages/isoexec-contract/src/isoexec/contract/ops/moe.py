@@ -10,18 +10,25 @@ dtype (`expert_gemm`, recorded in the contract by `impl_params`):
 - fp32: one compiled grouped GEMM (`cpu_kernels/moe.cpp`): each output element is a dot
   product over `lanes` fixed fp32 lanes (one fused multiply-add per product, k ascending)
   with a fixed tree, computed whole by one thread: the same bits on every x86 CPU.
-- bf16 / fp16 (v4): the canonical `linear`'s block GEMM per group (fixed 32-row zero-padded
-  blocks; oneDNN's prepacked primitive, AMX where the CPU has it), whose library is recorded
-  as every linear's is. A decode step's padded rows cost little on bf16 matrix units; the
-  grouped kernel's fp32 vector FMAs ran the medium model's bf16 experts ~1.8x slower at
-  decode and ~10x at prefill (one thread, Sapphire Rapids). (The grouped kernel still takes
-  bf16/fp16: its tests pin its order there too.)
+- bf16 on a CPU with AMX-BF16 (v5): one compiled GEMM on AMX tiles (`cpu_kernels/moe.cpp`,
+  `amx`): per output element, 32-k chunks in ascending order, each one TDPBF16PS instruction
+  (the hardware's own pair order and rounding), from +0; K zero-padded to whole chunks, a
+  group's rows to whole 16-row tiles. Tile rows are independent, so a row's bits depend on the
+  row and the expert alone. The bits are AMX's (the contract records the kernel, the backend
+  identity the CPU). The weights are packed once into the tiles' pair layout (cached in the
+  engine like the linear's). A decode step streams each expert's weight once: ~2x faster
+  than the blocks on the medium GDN model (one thread, Sapphire Rapids).
+- bf16 elsewhere, and fp16 (v4): the canonical `linear`'s block GEMM per group (fixed 32-row
+  zero-padded blocks; oneDNN's prepacked primitive where oneDNN has bf16), whose library is
+  recorded as every linear's is. The grouped kernel's fp32 vector FMAs ran the medium
+  model's bf16 experts ~1.8x slower at decode and ~10x at prefill (one thread, Sapphire
+  Rapids). (The grouped kernel still takes bf16/fp16: its tests pin its order there too.)
 
 History: v1 ran the block GEMM in every dtype (fp32 decode paid for 32 rows per expert); v2
 the grouped kernel in every dtype; v3 fused its fp32 multiply-add (v2 rounded the fp32 product
-first); v4 moves bf16/fp16 back to the blocks. The shared expert and its gate are one group
-holding every token. silu·up is the canonical `silu_mul`; bf16/fp16 round after each
-projection and after silu·up.
+first); v4 moved bf16/fp16 back to the blocks; v5 runs bf16 on AMX tiles where the CPU has
+them. The shared expert and its gate are one group holding every token. silu·up is the
+canonical `silu_mul`; bf16/fp16 round after each projection and after silu·up.
 
 The weighted sum over a token's k experts runs in ascending expert id in fp32 and is
 rounded once; the shared expert (sigmoid-gated) is added last. Expert weights are stacked as
@@ -55,22 +62,40 @@ _I64 = cpu_kernels.I64
 _PTR = cpu_kernels.PTR
 
 
-# `expert_gemm` values: the compiled grouped kernel, or the canonical linear's row blocks.
+# `expert_gemm` values: the compiled grouped kernel, the AMX tile kernel, or the canonical
+# linear's row blocks.
 GROUPED = "cxx-vector-ext-fma"
+AMX_TILES = "amx-bf16-tiles"
 LINEAR_BLOCKS = "linear-blocks"
+# k per AMX chunk (one TDPBF16PS): part of the AMX kernel's order, recorded in the contract.
+AMX_K_CHUNK = 32
 
 
-def expert_gemm(dtype: torch.dtype) -> str:
-    """Which GEMM the experts run in `dtype`: GROUPED (fp32) or LINEAR_BLOCKS (bf16, fp16)."""
-    return GROUPED if dtype == torch.float32 else LINEAR_BLOCKS
+@cache
+def amx_available() -> bool:
+    """The AMX kernel runs in this process: the build has it (the CPU has AMX-BF16) and Linux
+    grants the tile state. A property of the machine: asked once."""
+    return bool(cpu_kernels.library("moe").isx_moe_amx_ready())
+
+
+def expert_gemm(dtype: torch.dtype, device: torch.device | str = "cpu") -> str:
+    """Which GEMM the experts run in `dtype`: GROUPED (fp32), AMX_TILES (bf16 on a CPU with
+    AMX-BF16) or LINEAR_BLOCKS (other bf16, fp16)."""
+    if dtype == torch.float32:
+        return GROUPED
+    amx = torch.device(device).type == "cpu" and amx_available()
+    return AMX_TILES if dtype == torch.bfloat16 and amx else LINEAR_BLOCKS
 
 
 def impl_params(device: torch.device | str, dtype: torch.dtype) -> dict[str, object]:
     """The contract parameters that say which expert GEMM a site on (device, dtype) runs:
-    the kernel, and for the blocks their rows and `gemm.gemm_library` (as a linear's)."""
-    kind = expert_gemm(dtype)
+    the kernel, its k chunk for AMX, and for the blocks their rows and `gemm.gemm_library`
+    (as a linear's)."""
+    kind = expert_gemm(dtype, device)
     if kind == GROUPED:
         return {"kernel": GROUPED}
+    if kind == AMX_TILES:
+        return {"kernel": AMX_TILES, "k_chunk": AMX_K_CHUNK}
     lib = gemm.gemm_library(device, dtype)
     return {"kernel": kind, "block_rows": gemm.DEFAULT_BLOCK_ROWS, "gemm": lib}
 
@@ -122,6 +147,61 @@ def _grouped_gemm(
     return out
 
 
+@cache
+def _amx_fns() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[name-defined]
+    lib = cpu_kernels.library("moe")
+    elems, pack, run = lib.isx_moe_amx_packed_elems, lib.isx_moe_amx_pack, lib.isx_moe_amx_gemm
+    elems.restype, elems.argtypes = _I64, [_I64, _I64]
+    pack.restype, pack.argtypes = ctypes.c_int, [_I64, _I64, _I64, _PTR, _I64, _I64, _PTR]
+    run.restype = ctypes.c_int
+    run.argtypes = [_I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, ctypes.c_int]
+    return elems, pack, run
+
+
+def _amx_pack(w: torch.Tensor) -> torch.Tensor:
+    """w [E, N, K] bf16 in the AMX kernel's tile layout (one flat bf16 row per expert)."""
+    elems, pack, _ = _amx_fns()
+    e, n, k = w.shape
+    w = w if w.stride(-1) == 1 else w.contiguous()
+    out = torch.empty(e, elems(n, k), dtype=torch.bfloat16)
+    if pack(e, n, k, cpu_kernels.ptr(w), w.stride(0), w.stride(1), cpu_kernels.ptr(out)) != 0:
+        raise RuntimeError(f"moe: the AMX packing refused w {tuple(w.shape)}")
+    return out
+
+
+def _amx_groups(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor
+) -> torch.Tensor:
+    """fp32 [S, N]: each group's rows times its expert's weight on AMX tiles (x, w bf16;
+    w [E, N, K] packed once per parameter version when the packed-weight cache is on)."""
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(
+            f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
+            "Triton backend's)"
+        )
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        raise TypeError(f"moe: the AMX kernel takes bf16 (x {x.dtype}, w {w.dtype})")
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"moe: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+    if not amx_available():
+        raise RuntimeError("moe: the AMX expert kernel needs a CPU with AMX-BF16 (none here)")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    s, k = x.shape
+    n = w.shape[1]
+    out = torch.empty(s, n, dtype=torch.float32)
+    if s == 0 or n == 0:
+        return out
+    packed = gemm.cached_pack(w, "amx-tiles", _amx_pack)
+    rc = _amx_fns()[2](
+        len(wsel), n, k, cpu_kernels.ptr(offsets), cpu_kernels.ptr(wsel), cpu_kernels.ptr(x),
+        x.stride(0), cpu_kernels.ptr(packed), cpu_kernels.ptr(out), out.stride(0),
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc != 0:
+        raise RuntimeError(f"moe AMX GEMM kernel refused its arguments (code {rc})")
+    return out
+
+
 def _block_groups(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor
 ) -> torch.Tensor:
@@ -167,10 +247,13 @@ def _forward(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
 ) -> torch.Tensor:
     """Every group's GEMM, rounded once to x's dtype, by `expert_gemm(x.dtype)`."""
-    if expert_gemm(x.dtype) == GROUPED:
+    kind = expert_gemm(x.dtype, x.device)
+    if kind == GROUPED:
         return _grouped_gemm(x, w, offsets, wsel, lanes).to(x.dtype)
     if lanes not in LANES:  # not used by the blocks; refused alike, whatever the dtype
         raise ValueError(f"moe: lanes={lanes} unsupported; the kernel has {LANES}")
+    if kind == AMX_TILES:
+        return _amx_groups(x, w, offsets, wsel).to(x.dtype)
     return _block_groups(x, w, offsets, wsel)
 
 

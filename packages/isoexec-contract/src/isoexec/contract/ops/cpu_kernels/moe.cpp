@@ -200,3 +200,174 @@ extern "C" int isx_moe_grouped_gemm(int64_t G, int64_t N, int64_t K, const int64
   if (lanes == 8) return dispatch<8>(a, dtype, threads);
   return 3;
 }
+
+// ---------------------------------------------------------------------------------------
+// bf16 expert GEMM on AMX tiles (moe_combine v5, CPUs with AMX-BF16).
+//
+// One output element y[m, n] is, whatever the batch, the group sizes, the tiling or the
+// thread count:
+//   acc = +0.0 (fp32); for chunk c = 0, 1, .. (32 k's each, ascending):
+//       acc = TDPBF16PS(acc, x[m, 32c .. 32c + 31], w[n, 32c .. 32c + 31])
+//   rounded by the caller.
+// TDPBF16PS is one AMX instruction: the 16 bf16 pairs of a chunk, in the order and with the
+// rounding the hardware defines (fp32 accumulation, round to nearest even, denormals flushed;
+// not a plain chain of fused multiply-adds: measured different here), the same on every
+// AMX-BF16 CPU and in no way dependent on the other rows of the tile. K is zero-padded to whole
+// chunks and groups to whole 16-row tiles (padded products are 0 * 0); the 64-column tile
+// quads handed to threads only decide where an element is computed. So a row's bits depend on
+// that row and its expert's weights alone. The bits are the ISA's (AMX), not the source's as
+// the vector kernels' are: the contract records the kernel, and the backend identity the CPU.
+//
+// Why: a decode step's expert GEMM is memory-bound (a few rows per expert); the vector FMA
+// kernels are compute-bound on bf16 (every weight widened to fp32), oneDNN's prepacked blocks
+// pay a call and a 32-row padded block per expert. The tiles stream each packed weight once.
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__)
+#define ISX_HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+namespace {
+namespace amx {
+using namespace isx;
+constexpr int TR = 16;               // rows per tile (x rows, and k pairs of a weight tile)
+constexpr int TK = 32;               // bf16 k per chunk (one 64-byte tile row)
+constexpr int TN = 16;               // fp32 output columns per accumulator tile
+constexpr int NT = 4;                // accumulator tiles per item (64 columns)
+constexpr int64_t BT = TR * TN * 2;  // bf16 per packed weight tile (16 k pairs x 16 cols x 2)
+
+// Tile registers: 0-3 accumulators, 4 the x chunk, 5-7 weight chunks. All 16 x 64 bytes.
+struct alignas(64) TileConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+static void configure() {
+  TileConfig c{};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) {
+    c.rows[t] = TR;
+    c.colsb[t] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+
+struct Args {
+  int64_t G, N, K;
+  const int64_t* offsets;  // [G + 1]: group g owns rows offsets[g] .. offsets[g + 1]
+  const int64_t* wsel;     // [G]: the expert of group g
+  const uint16_t* x; int64_t x_st;  // [S, K] bf16, row stride
+  const uint16_t* w;                // packed (isx_moe_amx_pack) [E, Q, Kc, NT, TR, TN, 2]
+  float* out; int64_t o_st;         // [S, N] fp32, row stride
+};
+
+static void run(const Args& a, int threads) {
+  const int64_t Kc = (a.K + TK - 1) / TK, Kp = Kc * TK;
+  const int64_t Q = (a.N + NT * TN - 1) / (NT * TN);
+  const int64_t w_se = Q * Kc * NT * BT;
+  std::vector<int64_t> gs;  // non-empty groups
+  for (int64_t g = 0; g < a.G; ++g)
+    if (a.offsets[g + 1] > a.offsets[g]) gs.push_back(g);
+  const int64_t ng = int64_t(gs.size());
+  // Every group's rows once, zero-padded to whole tiles (rows) and chunks (k).
+  std::vector<int64_t> at(size_t(ng) + 1, 0);
+  for (int64_t i = 0; i < ng; ++i) {
+    const int64_t g = gs[size_t(i)], m = a.offsets[g + 1] - a.offsets[g];
+    at[size_t(i) + 1] = at[size_t(i)] + (m + TR - 1) / TR * TR;
+  }
+  std::vector<uint16_t> xp(size_t(at[size_t(ng)] * Kp), 0);
+  for (int64_t i = 0; i < ng; ++i) {
+    const int64_t g = gs[size_t(i)];
+    for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; ++r)
+      std::memcpy(xp.data() + (at[size_t(i)] + r - a.offsets[g]) * Kp, a.x + r * a.x_st,
+                  size_t(a.K) * 2);
+  }
+  // Items: (group, 64-column quad), a group's quads in order (its weights stream in order).
+  parallel_items(ng * Q, threads, 1, [&](int64_t item, int) {
+    configure();  // per item: other code on this thread (oneDNN) may configure the tiles
+    const int64_t i = item / Q, q = item % Q, g = gs[size_t(i)];
+    const uint16_t* wq = a.w + a.wsel[g] * w_se + q * Kc * NT * BT;
+    const int64_t c0 = q * NT * TN, cols = std::min<int64_t>(NT * TN, a.N - c0);
+    alignas(64) float cb[TR * NT * TN];
+    for (int64_t r = a.offsets[g]; r < a.offsets[g + 1]; r += TR) {
+      const int64_t m = std::min<int64_t>(TR, a.offsets[g + 1] - r);
+      const uint16_t* xt = xp.data() + (at[size_t(i)] + r - a.offsets[g]) * Kp;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t kc = 0; kc < Kc; ++kc) {
+        const uint16_t* b = wq + kc * NT * BT;
+        _tile_loadd(4, xt + kc * TK, Kp * 2);
+        _tile_loadd(5, b, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, b + BT, 64);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, b + 2 * BT, 64);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, b + 3 * BT, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, cb, NT * TN * 4);
+      _tile_stored(1, cb + TN, NT * TN * 4);
+      _tile_stored(2, cb + 2 * TN, NT * TN * 4);
+      _tile_stored(3, cb + 3 * TN, NT * TN * 4);
+      for (int64_t k = 0; k < m; ++k)
+        std::memcpy(a.out + (r + k) * a.o_st + c0, cb + k * NT * TN, size_t(cols) * 4);
+    }
+    _tile_release();
+  });
+}
+}  // namespace amx
+}  // namespace
+#endif
+
+// 1 when this build has the AMX kernel and Linux grants this process the AMX tile state
+// (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA; idempotent), else 0.
+extern "C" int isx_moe_amx_ready() {
+#ifdef ISX_HAVE_AMX
+  return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+#else
+  return 0;
+#endif
+}
+
+// bf16 elements of one expert's packed weight [N, K]: whole 64-column quads and 32-k chunks.
+extern "C" int64_t isx_moe_amx_packed_elems(int64_t N, int64_t K) {
+  return (N + 63) / 64 * ((K + 31) / 32) * 4 * 16 * 16 * 2;
+}
+
+// Pack w [E, N, K] (bf16, strides w_se, w_sn; k contiguous) into out [E, Q, Kc, 4, 16, 16, 2]:
+// per 64-column quad and 32-k chunk, four weight tiles in AMX's pair layout (tile row j holds
+// for each column n the pair w[n, 32c + 2j], w[n, 32c + 2j + 1]); zeros past N and K.
+extern "C" int isx_moe_amx_pack(int64_t E, int64_t N, int64_t K, const uint16_t* w,
+                                int64_t w_se, int64_t w_sn, uint16_t* out) {
+  if (E < 0 || N < 0 || K < 0) return 1;
+  const int64_t Kc = (K + 31) / 32, Q = (N + 63) / 64;
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t q = 0; q < Q; ++q)
+      for (int64_t kc = 0; kc < Kc; ++kc)
+        for (int t = 0; t < 4; ++t)
+          for (int j = 0; j < 16; ++j)
+            for (int n = 0; n < 16; ++n) {
+              const int64_t col = (q * 4 + t) * 16 + n;
+              for (int s = 0; s < 2; ++s) {
+                const int64_t k = kc * 32 + 2 * j + s;
+                *out++ = col < N && k < K ? w[e * w_se + col * w_sn + k] : uint16_t(0);
+              }
+            }
+  return 0;
+}
+
+// out[offsets[g]:offsets[g+1], :N] = x[offsets[g]:offsets[g+1], :] @ w[wsel[g]]^T (fp32), x
+// bf16 [S, K] and w packed by isx_moe_amx_pack. Returns 0, 1 (bad sizes) or 4 (no AMX build).
+extern "C" int isx_moe_amx_gemm(int64_t G, int64_t N, int64_t K, const int64_t* offsets,
+                                const int64_t* wsel, const uint16_t* x, int64_t x_st,
+                                const uint16_t* w, float* out, int64_t o_st, int threads) {
+  if (G < 0 || N < 0 || K < 0) return 1;
+#ifdef ISX_HAVE_AMX
+  amx::run(amx::Args{G, N, K, offsets, wsel, x, x_st, w, out, o_st}, threads);
+  return 0;
+#else
+  (void)offsets, (void)wsel, (void)x, (void)x_st, (void)w, (void)out, (void)o_st, (void)threads;
+  return 4;
+#endif
+}
