@@ -337,23 +337,29 @@ extern "C" int64_t isx_moe_amx_packed_elems(int64_t N, int64_t K) {
 
 // Pack w [E, N, K] (bf16, strides w_se, w_sn; k contiguous) into out [E, Q, Kc, 4, 16, 16, 2]:
 // per 64-column quad and 32-k chunk, four weight tiles in AMX's pair layout (tile row j holds
-// for each column n the pair w[n, 32c + 2j], w[n, 32c + 2j + 1]); zeros past N and K.
+// for each column n the pair w[n, 32c + 2j], w[n, 32c + 2j + 1]); zeros past N and K. A tile
+// is a 16 x 16 transpose of 32-bit pairs (data movement only).
 extern "C" int isx_moe_amx_pack(int64_t E, int64_t N, int64_t K, const uint16_t* w,
                                 int64_t w_se, int64_t w_sn, uint16_t* out) {
+  using namespace isx;
   if (E < 0 || N < 0 || K < 0) return 1;
   const int64_t Kc = (K + 31) / 32, Q = (N + 63) / 64;
   for (int64_t e = 0; e < E; ++e)
     for (int64_t q = 0; q < Q; ++q)
       for (int64_t kc = 0; kc < Kc; ++kc)
-        for (int t = 0; t < 4; ++t)
-          for (int j = 0; j < 16; ++j)
-            for (int n = 0; n < 16; ++n) {
-              const int64_t col = (q * 4 + t) * 16 + n;
-              for (int s = 0; s < 2; ++s) {
-                const int64_t k = kc * 32 + 2 * j + s;
-                *out++ = col < N && k < K ? w[e * w_se + col * w_sn + k] : uint16_t(0);
-              }
-            }
+        for (int t = 0; t < 4; ++t, out += 512) {
+          vf<16> r[16];  // row n: column n's 32 k's of this chunk, as 16 pairs
+          for (int n = 0; n < 16; ++n) {
+            const int64_t col = (q * 4 + t) * 16 + n, k0 = kc * 32;
+            uint16_t pairs[32] = {};
+            if (col < N)
+              std::memcpy(pairs, w + e * w_se + col * w_sn + k0,
+                          size_t(std::min<int64_t>(32, K - k0)) * 2);
+            std::memcpy(&r[n], pairs, sizeof(pairs));
+          }
+          transpose16(r);  // row j: pair j of every column
+          std::memcpy(out, r, sizeof(r));
+        }
   return 0;
 }
 
