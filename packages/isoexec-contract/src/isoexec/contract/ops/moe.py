@@ -112,6 +112,17 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     return fn
 
 
+def _check_operands(x: torch.Tensor, w: torch.Tensor) -> None:
+    """x [S, K] and stacked w [E, N, K] on CPU (every expert GEMM here is a CPU kernel)."""
+    if x.device.type != "cpu" or w.device.type != "cpu":
+        raise ValueError(
+            f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
+            "Triton backend's)"
+        )
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
+        raise ValueError(f"moe: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
+
+
 def _grouped_gemm(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor, lanes: int
 ) -> torch.Tensor:
@@ -121,15 +132,9 @@ def _grouped_gemm(
     """
     if lanes not in LANES:
         raise ValueError(f"moe: lanes={lanes} unsupported; the kernel has {LANES}")
-    if x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(
-            f"moe: the grouped GEMM is a compiled CPU kernel (x on {x.device}, w {w.device}; "
-            "on CUDA run the Triton backend's)"
-        )
+    _check_operands(x, w)
     if x.dtype != w.dtype or x.dtype not in _DTYPES:
         raise TypeError(f"moe: x {x.dtype} and w {w.dtype} must be one of {list(_DTYPES)}")
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"moe: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
     x = x if x.stride(-1) == 1 else x.contiguous()
     w = w if w.stride(-1) == 1 else w.contiguous()
     s, k = x.shape
@@ -174,15 +179,9 @@ def _amx_groups(
 ) -> torch.Tensor:
     """fp32 [S, N]: each group's rows times its expert's weight on AMX tiles (x, w bf16;
     w [E, N, K] packed once per parameter version when the packed-weight cache is on)."""
-    if x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(
-            f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
-            "Triton backend's)"
-        )
+    _check_operands(x, w)
     if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
         raise TypeError(f"moe: the AMX kernel takes bf16 (x {x.dtype}, w {w.dtype})")
-    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"moe: x {tuple(x.shape)} and w {tuple(w.shape)} do not multiply")
     if not amx_available():
         raise RuntimeError("moe: the AMX expert kernel needs a CPU with AMX-BF16 (none here)")
     x = x if x.stride(-1) == 1 else x.contiguous()
@@ -213,13 +212,9 @@ def _block_groups(
     of whole blocks, and read back with one row gather: the blocks `_block_gemm` would pad
     group by group, and so its bits, with a few torch calls per projection instead of a few
     per expert (a decode step's cost is mostly such calls)."""
-    if x.device.type != "cpu" or w.device.type != "cpu":
-        raise ValueError(
-            f"moe: the expert GEMMs run on CPU (x on {x.device}, w {w.device}; on CUDA run the "
-            "Triton backend's)"
-        )
-    if x.dtype != w.dtype or x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
-        raise ValueError(f"moe: x {x.dtype}{tuple(x.shape)}, w {w.dtype}{tuple(w.shape)}")
+    _check_operands(x, w)
+    if x.dtype != w.dtype:
+        raise TypeError(f"moe: x {x.dtype} and w {w.dtype} differ")
     cut = offsets.tolist()
     ids = wsel.tolist()
     r = gemm.DEFAULT_BLOCK_ROWS
