@@ -132,8 +132,10 @@ def test_bf16_experts_run_the_amx_kernel():
 
 @needs_amx
 def test_engine_packed_weight_is_cached_and_follows_in_place_updates():
-    """With the engine's packed-weight cache on, a parameter is packed once, and an in-place
-    update repacks (doubling a bf16 weight doubles every output exactly)."""
+    """With the engine's packed-weight cache on, a parameter is packed once, an in-place
+    update repacks (doubling a bf16 weight doubles every output exactly), and a `.data` write
+    (vLLM's loaders) is seen after the owner's `clear_packed_weight_cache()`, as for the
+    linear's packs: one cache, one protocol."""
     x, w = _inputs(20, 64, 96, seed=4)
     param = torch.nn.Parameter(w, requires_grad=False)
     offsets, wsel = _groups([20], [1])
@@ -148,6 +150,10 @@ def test_engine_packed_weight_is_cached_and_follows_in_place_updates():
         with torch.no_grad():
             param.mul_(2)
         assert torch.equal(moe._amx_groups(x, param, offsets, wsel), 2 * y1)
+        param.data.copy_(w)  # no version bump: stale until cleared
+        assert torch.equal(moe._amx_groups(x, param, offsets, wsel), 2 * y1)
+        gemm.clear_packed_weight_cache()
+        assert torch.equal(moe._amx_groups(x, param, offsets, wsel), y1)
     finally:
         gemm.enable_packed_weight_cache(False)
 
