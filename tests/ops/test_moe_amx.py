@@ -137,7 +137,7 @@ def test_engine_packed_weight_is_cached_and_follows_in_place_updates():
     (vLLM's loaders) is seen after the owner's `clear_packed_weight_cache()`, as for the
     linear's packs: one cache, one protocol."""
     x, w = _inputs(20, 64, 96, seed=4)
-    param = torch.nn.Parameter(w, requires_grad=False)
+    param = torch.nn.Parameter(w.clone(), requires_grad=False)
     offsets, wsel = _groups([20], [1])
     gemm.enable_packed_weight_cache()
     try:
