@@ -16,8 +16,9 @@ dtype (`expert_gemm`, recorded in the contract by `impl_params`):
   group's rows to whole 16-row tiles. Tile rows are independent, so a row's bits depend on the
   row and the expert alone. The bits are AMX's (the contract records the kernel, the backend
   identity the CPU). The weights are packed once into the tiles' pair layout (cached in the
-  engine like the linear's). A decode step streams each expert's weight once: ~2x faster
-  than the blocks on the medium GDN model (one thread, Sapphire Rapids).
+  engine like the linear's). A decode step streams each expert's weight once: the medium GDN
+  model's routed experts took 13.4 ms per decode step, 19.1 on the blocks (one thread,
+  Sapphire Rapids; benchmarks/moe_decode_bench.py).
 - bf16 elsewhere, and fp16 (v4): the canonical `linear`'s block GEMM per group (fixed 32-row
   zero-padded blocks; oneDNN's prepacked primitive where oneDNN has bf16), whose library is
   recorded as every linear's is. The grouped kernel's fp32 vector FMAs ran the medium
