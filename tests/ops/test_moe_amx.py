@@ -55,6 +55,20 @@ def test_rows_alone_and_in_any_group_and_accuracy(n, k):
 
 
 @needs_amx
+def test_strided_operands_give_the_same_bits():
+    """x rows with a row stride wider than K (a slice of a wider buffer) and a weight that is
+    a transposed view (packed from a copy): the kernel reads strides, the bits stay."""
+    x, w = _inputs(40, 96, 160, seed=6)
+    offsets, wsel = _groups([7, 33], [2, 1])
+    want = moe._amx_groups(x, w, offsets, wsel)
+    wide = torch.zeros(40, 200, dtype=torch.bfloat16)
+    wide[:, 17:177] = x
+    w_t = w.transpose(1, 2).contiguous().transpose(1, 2)  # same values, k not contiguous
+    assert not w_t.is_contiguous()
+    assert torch.equal(moe._amx_groups(wide[:, 17:177], w_t, offsets, wsel), want)
+
+
+@needs_amx
 def test_threads_one_and_two_give_the_same_bits():
     """A prefill-sized batch (several tiles per group, every quad an item) with 1 and 2
     threads: the items a thread takes never change a bit."""
