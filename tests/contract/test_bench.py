@@ -120,6 +120,12 @@ def test_machine_info_names_cpu_threads_versions_commit() -> None:
     assert git is not None and len(git["commit"]) == 40 and isinstance(git["dirty"], bool)
     line = bench_report.machine_line(m)
     assert line.startswith("machine: ") and git["commit"][:12] in line and m["cpu"] in line
+    import torch
+
+    from isoexec.contract.ops import moe  # the expert GEMM differs by CPU: the line says which
+
+    assert m["bf16_experts"] == moe.expert_gemm(torch.bfloat16)
+    assert f"bf16 experts {m['bf16_experts']}" in line
 
 
 def synthetic_doc(trainer: bool = True) -> dict[str, Any]:

@@ -5,7 +5,8 @@ The document (`bench.json`):
 
     settings   family, size, dtype, reps, modes, model shape, prompts x tokens, trainer on/off
     machine    CPU model (/proc/cpuinfo), CPUs this process may use, torch threads,
-               OMP_NUM_THREADS, python/torch/vllm/megatron-core versions, git commit
+               OMP_NUM_THREADS, the bf16 MoE expert GEMM this CPU runs (AMX tiles or the
+               linear's blocks), python/torch/vllm/megatron-core versions, git commit
     engine     per mode ("default": vLLM's compiled mode; "eager"): per arm ("isoexec",
                "native") the seconds of every rep, the median, tokens/s; the ratio
     trainer    per arm the seconds of every rep, ms/token; the ratio; the IsoExec step's
@@ -82,8 +83,11 @@ def git_commit(where: Path | None = None) -> dict[str, Any] | None:
 
 
 def machine_info() -> dict[str, Any]:
-    """Where the numbers come from: CPU, threads, versions, commit."""
+    """Where the numbers come from: CPU, threads, versions, commit, and the bf16 expert GEMM
+    this CPU runs (AMX tiles or the linear's blocks: `ops.moe.expert_gemm`)."""
     import torch  # the contract package's own dependency
+
+    from .ops import moe
 
     try:
         cpus = len(os.sched_getaffinity(0))
@@ -97,6 +101,7 @@ def machine_info() -> dict[str, Any]:
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "bf16_experts": moe.expert_gemm(torch.bfloat16),
         "versions": {
             "python": platform.python_version(),
             **{k: _version(v) for k, v in _DISTRIBUTIONS.items()},
@@ -112,10 +117,12 @@ def machine_line(machine: Mapping[str, Any]) -> str:
     commit = f"{commit}{'+dirty' if git.get('dirty') else ''}" if commit else "no git"
     cuda = f", GPU {machine['cuda']}" if machine.get("cuda") else ""
     omp = machine.get("omp_num_threads")
+    experts = machine.get("bf16_experts")
     return (
         f"machine: {machine.get('cpu')}, {machine.get('cpus_available')} CPUs available of "
         f"{machine.get('cpus_total')}, torch threads {machine.get('torch_threads')}"
-        f"{f' (OMP_NUM_THREADS={omp})' if omp else ''}{cuda}; python {v.get('python')}, "
+        f"{f' (OMP_NUM_THREADS={omp})' if omp else ''}{cuda}"
+        f"{f', bf16 experts {experts}' if experts else ''}; python {v.get('python')}, "
         f"torch {v.get('torch')}, vllm {v.get('vllm')}, megatron-core {v.get('megatron-core')}; "
         f"commit {commit}"
     )
