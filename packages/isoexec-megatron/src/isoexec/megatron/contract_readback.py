@@ -214,19 +214,22 @@ def trainer_contract(
 def _check_gemm_placement(
     model: torch.nn.Module, sites: Mapping[str, ImplInfo], model_dtype: str
 ) -> None:
-    """Sites whose implementation depends on placement (`ops.depends_on_placement`: a GEMM
-    site's library, the MoE site's expert GEMM) recorded it for the device and dtype the config
-    builds on (`site_impl`); a model moved or cast since would carry wrong records: refused.
-    Every model has linears, so the check runs whenever any site records a library."""
+    """Canonical sites whose implementation depends on placement (`ops.depends_on_placement`:
+    a GEMM site's library, the MoE site's expert GEMM) recorded it for the device and dtype
+    the config builds on (`site_impl`); a model moved or cast since would carry wrong records:
+    refused."""
+    from isoexec.contract.ops import depends_on_placement
+
     config = getattr(model, "config", None)
-    if config is None or not any("gemm" in i.param_dict() for i in sites.values()):
+    placed = (i for i in sites.values() if not i.is_native and depends_on_placement(i.op))
+    if config is None or not any(placed):
         return
     built = (site_device(config), _dtype_name(config.params_dtype))
     devices = sorted({p.device.type for p in model.parameters()})
     if devices not in ([], [built[0]]) or model_dtype != built[1]:
         raise ValueError(
-            f"GEMM sites record their library for {built[0]}/{built[1]}, where the model was "
-            f"built, but it now runs on {'/'.join(devices)}/{model_dtype}: build it there"
+            f"GEMM and MoE sites record their kernels for {built[0]}/{built[1]}, where the model "
+            f"was built, but it now runs on {'/'.join(devices)}/{model_dtype}: build it there"
         )
 
 
