@@ -122,9 +122,11 @@ def test_negative_control_other_orders_differ():
 
 
 @needs_amx
-def test_bf16_experts_run_the_amx_kernel():
+def test_bf16_experts_run_the_amx_kernel(monkeypatch):
     """`moe_experts` in bf16 runs `_amx_groups` (each projection rounded to bf16, silu·up
-    between): its output is the kernel's, composed by hand."""
+    between) and never the linear's blocks: its output is the kernel's, composed by hand, and
+    the calls are counted (on this CPU the blocks often give the same bits, so equal outputs
+    alone would not tell the two apart)."""
     from isoexec.contract.ops import silu_mul
 
     g = torch.Generator().manual_seed(5)
@@ -133,14 +135,19 @@ def test_bf16_experts_run_the_amx_kernel():
     w2 = (torch.randn(4, 96, 40, generator=g) * 0.15).to(torch.bfloat16)
     ids = torch.randint(0, 4, (19, 2), generator=g)
     assert moe.expert_gemm(torch.bfloat16) == moe.AMX_TILES
+    calls: list[str] = []
+    amx, blocks = moe._amx_groups, moe._block_groups
+    monkeypatch.setattr(moe, "_amx_groups", lambda *a: calls.append("amx") or amx(*a))
+    monkeypatch.setattr(moe, "_block_groups", lambda *a: calls.append("blocks") or blocks(*a))
     got = moe.moe_experts(x, ids, w13, w2)
+    assert calls == ["amx", "amx"]  # one call per projection, every group in it
     want = torch.empty_like(got)
     for e in range(4):
         tok, slot = (ids == e).nonzero(as_tuple=True)
         if tok.numel():
             one = _groups([tok.numel()], [e])
-            h = silu_mul(moe._amx_groups(x[tok], w13, *one).to(torch.bfloat16))
-            want[tok, slot] = moe._amx_groups(h, w2, *one).to(torch.bfloat16)
+            h = silu_mul(amx(x[tok], w13, *one).to(torch.bfloat16))
+            want[tok, slot] = amx(h, w2, *one).to(torch.bfloat16)
     assert torch.equal(got, want)
 
 

@@ -211,8 +211,8 @@ extern "C" int isx_moe_grouped_gemm(int64_t G, int64_t N, int64_t K, const int64
 //   rounded by the caller.
 // TDPBF16PS is one AMX instruction: the 16 bf16 pairs of a chunk, in the order and with the
 // rounding the hardware defines (fp32 accumulation, round to nearest even, denormals flushed;
-// not a plain chain of fused multiply-adds: measured different here), the same on every
-// AMX-BF16 CPU and in no way dependent on the other rows of the tile. K is zero-padded to whole
+// not a plain chain of fused multiply-adds: measured different here), defined by the ISA,
+// and in no way dependent on the other rows of the tile. K is zero-padded to whole
 // chunks and groups to whole 16-row tiles (padded products are 0 * 0); the 64-column tile
 // quads handed to threads only decide where an element is computed. So a row's bits depend on
 // that row and its expert's weights alone. The bits are the ISA's (AMX), not the source's as
@@ -221,6 +221,15 @@ extern "C" int isx_moe_grouped_gemm(int64_t G, int64_t N, int64_t K, const int64
 // Why: a decode step's expert GEMM is memory-bound (a few rows per expert); the vector FMA
 // kernels are compute-bound on bf16 (every weight widened to fp32), oneDNN's prepacked blocks
 // pay a call and a 32-row padded block per expert. The tiles stream each packed weight once.
+// The tile shapes: the kernel's, and the packed weight layout's (built on every CPU).
+namespace amx_layout {
+constexpr int TR = 16;               // rows per tile (x rows, and k pairs of a weight tile)
+constexpr int TK = 32;               // bf16 k per chunk (one 64-byte tile row)
+constexpr int TN = 16;               // fp32 output columns per accumulator tile
+constexpr int NT = 4;                // accumulator tiles per item (64 columns)
+constexpr int64_t BT = TR * TN * 2;  // bf16 per packed weight tile (16 k pairs x 16 cols x 2)
+}  // namespace amx_layout
+
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__)
 #define ISX_HAVE_AMX 1
 #include <sys/syscall.h>
@@ -228,11 +237,7 @@ extern "C" int isx_moe_grouped_gemm(int64_t G, int64_t N, int64_t K, const int64
 namespace {
 namespace amx {
 using namespace isx;
-constexpr int TR = 16;               // rows per tile (x rows, and k pairs of a weight tile)
-constexpr int TK = 32;               // bf16 k per chunk (one 64-byte tile row)
-constexpr int TN = 16;               // fp32 output columns per accumulator tile
-constexpr int NT = 4;                // accumulator tiles per item (64 columns)
-constexpr int64_t BT = TR * TN * 2;  // bf16 per packed weight tile (16 k pairs x 16 cols x 2)
+using namespace amx_layout;
 
 // Tile registers: 0-3 accumulators, 4 the x chunk, 5-7 weight chunks. All 16 x 64 bytes.
 struct alignas(64) TileConfig {
@@ -332,7 +337,8 @@ extern "C" int isx_moe_amx_ready() {
 
 // bf16 elements of one expert's packed weight [N, K]: whole 64-column quads and 32-k chunks.
 extern "C" int64_t isx_moe_amx_packed_elems(int64_t N, int64_t K) {
-  return (N + 63) / 64 * ((K + 31) / 32) * 4 * 16 * 16 * 2;
+  using namespace amx_layout;
+  return (N + NT * TN - 1) / (NT * TN) * ((K + TK - 1) / TK) * NT * BT;
 }
 
 // Pack w [E, N, K] (bf16, strides w_se, w_sn; k contiguous) into out [E, Q, Kc, 4, 16, 16, 2]:
@@ -342,19 +348,21 @@ extern "C" int64_t isx_moe_amx_packed_elems(int64_t N, int64_t K) {
 extern "C" int isx_moe_amx_pack(int64_t E, int64_t N, int64_t K, const uint16_t* w,
                                 int64_t w_se, int64_t w_sn, uint16_t* out) {
   using namespace isx;
+  using namespace amx_layout;
+  static_assert(TR == 16 && TN == 16 && TK == 2 * TR, "a weight tile is a 16 x 16 transpose");
   if (E < 0 || N < 0 || K < 0) return 1;
-  const int64_t Kc = (K + 31) / 32, Q = (N + 63) / 64;
+  const int64_t Kc = (K + TK - 1) / TK, Q = (N + NT * TN - 1) / (NT * TN);
   for (int64_t e = 0; e < E; ++e)
     for (int64_t q = 0; q < Q; ++q)
       for (int64_t kc = 0; kc < Kc; ++kc)
-        for (int t = 0; t < 4; ++t, out += 512) {
+        for (int t = 0; t < NT; ++t, out += BT) {
           vf<16> r[16];  // row n: column n's 32 k's of this chunk, as 16 pairs
-          for (int n = 0; n < 16; ++n) {
-            const int64_t col = (q * 4 + t) * 16 + n, k0 = kc * 32;
-            uint16_t pairs[32] = {};
+          for (int n = 0; n < TN; ++n) {
+            const int64_t col = (q * NT + t) * TN + n, k0 = kc * TK;
+            uint16_t pairs[TK] = {};
             if (col < N)
               std::memcpy(pairs, w + e * w_se + col * w_sn + k0,
-                          size_t(std::min<int64_t>(32, K - k0)) * 2);
+                          size_t(std::min<int64_t>(TK, K - k0)) * 2);
             std::memcpy(&r[n], pairs, sizeof(pairs));
           }
           transpose16(r);  // row j: pair j of every column
