@@ -313,14 +313,14 @@ def test_contract_every_site_canonical_in_isoexec_native_otherwise(
 
 
 def test_a_model_cast_after_it_was_built_is_refused(parallel, qwen3_moe_dir: Path) -> None:
-    """The GEMM and MoE sites record the kernel for the dtype the model was built in (fp32:
-    the grouped expert kernel; bf16: AMX tiles or the linear's blocks). Cast to bf16 after
-    the build, those records would be wrong: the contract is refused, naming both placements.
-    Control: the same model uncast gives its contract."""
+    """test_contract_refusals for a MoE model: its GEMM and MoE sites record their kernels for
+    the dtype the model was built in (fp32: the grouped expert kernel; bf16: AMX tiles or the
+    linear's blocks). Cast to bf16 after the build, those records would be wrong: the contract
+    is refused, naming both placements. Control: the same model uncast gives its contract."""
     model = build_model(qwen3_moe_dir, isoexec=True, dtype=torch.float32)
     trainer_contract(model, qwen3_moe_dir)  # as built: accepted
     model.to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"cpu/float32, where the model was built.*bfloat16"):
+    with pytest.raises(ValueError, match=r"library for cpu/float32 \(and MoE.*now runs on cpu/bf"):
         trainer_contract(model, qwen3_moe_dir)
 
 

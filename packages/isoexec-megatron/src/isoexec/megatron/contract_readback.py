@@ -228,8 +228,9 @@ def _check_gemm_placement(
     devices = sorted({p.device.type for p in model.parameters()})
     if devices not in ([], [built[0]]) or model_dtype != built[1]:
         raise ValueError(
-            f"GEMM and MoE sites record their kernels for {built[0]}/{built[1]}, where the model "
-            f"was built, but it now runs on {'/'.join(devices)}/{model_dtype}: build it there"
+            f"GEMM sites record their library for {built[0]}/{built[1]} (and MoE sites their "
+            f"expert kernel), where the model was built, but it now runs on "
+            f"{'/'.join(devices)}/{model_dtype}: build it there"
         )
 
 
