@@ -7,6 +7,7 @@ Used by the worker extension (`isoexec_contract`, on request) and by the served 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,13 @@ import torch
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.model_contract import contract_for
+from isoexec.vllm.admission import ADMISSION, has_admission
+from isoexec.vllm.install import is_installed
 from isoexec.vllm.readback import read_sites
+
+
+class EngineSettingsError(RuntimeError):
+    """The engine runs settings its contract could not describe."""
 
 
 def checkpoint_config(vllm_config: Any) -> dict[str, Any]:
@@ -22,11 +29,63 @@ def checkpoint_config(vllm_config: Any) -> dict[str, Any]:
     return json.loads((Path(vllm_config.model_config.model) / "config.json").read_text())
 
 
+def _merge(base: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in overrides.items():
+        out[k] = _merge(out[k], v) if isinstance(v, Mapping) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _live_value(hf_config: Any, path: tuple[str, ...]) -> Any:
+    obj = hf_config
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, Mapping) else getattr(obj, key, None)
+    return obj.to_dict() if hasattr(obj, "to_dict") else obj
+
+
+def _leaves(d: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    out: list[tuple[str, ...]] = []
+    for k, v in d.items():
+        out += _leaves(v, (*prefix, k)) if isinstance(v, Mapping) else [(*prefix, k)]
+    return out
+
+
+def effective_config(vllm_config: Any) -> dict[str, Any]:
+    """The config the engine actually built: the checkpoint's config.json with vLLM's
+    `hf_overrides` applied (as vLLM applies them), each overridden value checked against the
+    live model config. The contract's model identity is hashed from this, so an engine whose
+    config was overridden (`--hf-overrides '{"rms_norm_eps": 0.01}'`) does not MATCH a trainer
+    built from the checkpoint: the diff names `model.config_digest`."""
+    model_config = vllm_config.model_config
+    cfg = checkpoint_config(vllm_config)
+    overrides = model_config.hf_overrides or {}
+    if callable(overrides):
+        raise EngineSettingsError(
+            "hf_overrides is a function: the contract cannot record what it changed"
+        )
+    cfg = _merge(cfg, overrides)
+    for path in _leaves(overrides):
+        live = _live_value(model_config.hf_config, path)
+        want = _live_value(cfg, path)
+        if live != want:
+            raise EngineSettingsError(
+                f"hf_overrides sets {'.'.join(path)}={want!r} but the live model config has "
+                f"{live!r}: the contract cannot record the config the engine built"
+            )
+    return cfg
+
+
 def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> Contract:
     """The contract of the model and sampler this worker runs, at its parallel degrees."""
     from vllm.distributed import get_tensor_model_parallel_world_size
 
-    hf = checkpoint_config(vllm_config)
+    if is_installed() and not has_admission(vllm_config):
+        raise EngineSettingsError(
+            "this IsoExec engine runs without IsoExec's admission check: pass "
+            f"logits_processors=[{ADMISSION!r}] (as `isoexec engine serve` does), or requests "
+            "with settings the trainer does not reproduce would be sampled under a MATCH"
+        )
+    hf = effective_config(vllm_config)
     sites = read_sites(model, sampler, hf)
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     # The TP degree this worker runs at: a site that does not claim TP invariance (a
@@ -41,4 +100,4 @@ def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> C
     )  # fmt: skip
 
 
-__all__ = ["checkpoint_config", "worker_contract"]
+__all__ = ["EngineSettingsError", "checkpoint_config", "effective_config", "worker_contract"]
