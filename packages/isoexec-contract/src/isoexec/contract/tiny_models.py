@@ -232,10 +232,13 @@ def make_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     overrides: dict[str, Any] | None = None,
+    release_files: bool = False,
 ) -> Path:
     """Write a random-weight checkpoint (config.json + model.safetensors) for `preset`.
 
     `overrides` change config fields (e.g. a wider hidden size for a negative control).
+    `release_files`: also what released checkpoints ship beside the weights — a
+    `generation_config.json` with Qwen3's sampling defaults and a tokenizer (`write_release_files`).
     Deterministic for a given (preset, dtype, seed, overrides).
     """
     if preset not in PRESETS:
@@ -267,7 +270,38 @@ def make_tiny_model(
     if release:
         del model
         _release_layout(out, int(config.text_config.hidden_size), torch_dtype, seed)
+    if release_files:
+        text = config.text_config if release else config
+        write_release_files(out, int(text.vocab_size))
     return out
+
+
+# What released Qwen3 / Qwen3.5 checkpoints put in generation_config.json: vLLM applies the
+# sampling fields as defaults to requests that name none (`--generation-config auto`).
+RELEASE_SAMPLING_DEFAULTS = {"do_sample": True, "temperature": 0.6, "top_k": 20, "top_p": 0.95}
+
+
+def write_release_files(out: str | Path, vocab_size: int) -> None:
+    """A `generation_config.json` with released sampling defaults, and a word-level tokenizer
+    over the whole vocabulary (token i is the word `w{i}`; the last id is the end-of-text
+    token), so that a tiny model is served as a real one is: with a tokenizer, text prompts
+    and the model's own defaults."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    eos = vocab_size - 1
+    gen = {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": eos,
+           **RELEASE_SAMPLING_DEFAULTS}  # fmt: skip
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    vocab = {f"w{i}": i for i in range(eos)} | {"<|endoftext|>": eos}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", unk_token="w0")  # fmt: skip
+    fast.save_pretrained(str(out))
 
 
 def _save_quietly(model: Any, out: Path) -> None:

@@ -1,0 +1,181 @@
+"""Settings on the served engine, tried as a new user would: vLLM's own OpenAI server through
+`isoexec engine serve`, the real `openai` client, a model that ships what released checkpoints
+ship (a tokenizer and a generation_config.json with top_k/top_p defaults).
+
+Before the admission check each of these settings gave a MATCH with 0/204 tokens bitwise, and a
+refused request killed the engine mid-batch. Now a setting IsoExec does not reproduce is
+refused at admission — HTTP 400 for that request alone, naming the setting — while the
+concurrent good requests finish bitwise the trainer's and the server stays up. Negative
+control: the same settings are accepted by the `--stock` server (`test_served_engine.py`).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import urllib.request
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _served import served
+
+from isoexec.contract.pair import make_prompts
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+MAX_TOKENS = 6
+# What the fail-open audit measured (plus the other truncations and penalties): each in the
+# request body as the `openai` client sends it.
+REFUSED: dict[str, dict[str, Any]] = {
+    "logit_bias": {"logit_bias": {"5": 3, "7": -2}},
+    "allowed_token_ids": {"extra_body": {"allowed_token_ids": list(range(40))}},
+    "repetition_penalty": {"extra_body": {"repetition_penalty": 1.3}},
+    "presence_penalty": {"presence_penalty": 0.5},
+    "top_k": {"extra_body": {"top_k": 20}},
+    "top_p": {"top_p": 0.95},
+    "min_p": {"extra_body": {"min_p": 0.1}},
+    "min_tokens": {"extra_body": {"min_tokens": 2}},
+}
+
+
+@pytest.fixture(scope="module")
+def release_model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    from isoexec.contract.tiny_models import make_tiny_model
+
+    out = tmp_path_factory.mktemp("release") / "tiny-dense-release"
+    return str(make_tiny_model("tiny-dense", out, release_files=True))
+
+
+def _client(url: str) -> Any:
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def _complete(url: str, model: str, prompt: list[int], **kw: Any) -> Any:
+    extra = {"return_tokens_as_token_ids": True, **kw.pop("extra_body", {})}
+    return _client(url).completions.create(
+        model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=1, extra_body=extra, **kw
+    )
+
+
+def _ids_and_logprobs(resp: Any) -> tuple[list[int], list[float]]:
+    (choice,) = resp.choices
+    ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+    return ids, list(choice.logprobs.token_logprobs)
+
+
+def _bitwise(trainer: Any, temp: float, prompt: list[int], resp: Any) -> bool:
+    from isoexec.megatron.scoring import score
+
+    ids, lps = _ids_and_logprobs(resp)
+    (train,) = score(trainer, [prompt + ids], temperature=temp)
+    return torch.equal(train[-len(ids) :].float(), torch.tensor(lps, dtype=torch.float32))
+
+
+def _prompts(model: str, n: int) -> list[list[int]]:
+    vocab = int(json.loads((Path(model) / "config.json").read_text())["vocab_size"])
+    return [p[:40] for p in make_prompts(n, vocab - 1, seed=11)]  # no end-of-text in a prompt
+
+
+def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
+    tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
+) -> None:
+    """12 good requests and one request per refused setting, all at once: every refused one
+    gets HTTP 400 naming its setting, every good one is bitwise the trainer's, the server stays
+    up. A good request that names no temperature is sampled at vLLM's 1.0, not the model's
+    shipped 0.6 (the launcher applies no model defaults and says so at start-up)."""
+    import openai
+
+    prompts = _prompts(release_model, 12)
+    temps: list[float | None] = [None, 0.7, 1.0, 0.7] * 3
+    log = tmp_path / "server.log"
+    with served(release_model, stock=False, log=log, tokenizer=True) as url:
+
+        def good(i: int) -> Any:
+            kw = {} if temps[i] is None else {"temperature": temps[i]}
+            return _complete(url, release_model, prompts[i], **kw)
+
+        def bad(name: str) -> str:
+            try:
+                _complete(url, release_model, prompts[0], **REFUSED[name])
+            except openai.BadRequestError as e:
+                return str(e)
+            return "accepted"
+
+        with ThreadPoolExecutor(len(prompts) + len(REFUSED)) as pool:
+            bad_f = {name: pool.submit(bad, name) for name in REFUSED}
+            good_f = [pool.submit(good, i) for i in range(len(prompts))]
+            refused = {name: f.result() for name, f in bad_f.items()}
+            answers = [f.result() for f in good_f]
+        with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+            assert r.status == 200  # the engine survived the refusals
+        after = _complete(url, release_model, prompts[1], temperature=0.7)
+
+    for name, message in refused.items():
+        assert "Error code: 400" in message and f"{name}=" in message, (name, message)
+        assert "IsoExec refuses this request" in message
+    trainer = trainer_factory(release_model, "float32", isoexec=True)
+    for i, resp in enumerate(answers):
+        assert _bitwise(trainer, temps[i] or 1.0, prompts[i], resp), i
+    assert _bitwise(trainer, 0.7, prompts[1], after)
+    text = log.read_text()
+    assert "are NOT applied (--generation-config vllm)" in text and "top_k=20" in text
+    assert "EngineDeadError" not in text
+
+
+def test_model_defaults_applied_are_refused_unless_neutralised(
+    tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
+) -> None:
+    """`--generation-config auto` (the model's defaults applied, as stock vLLM does): a request
+    naming nothing inherits top_k=20/top_p=0.95 and is refused at admission, naming them and
+    where they came from. One that sets them neutral is sampled at the shipped temperature 0.6
+    and is bitwise the trainer's scoring at 0.6 (and not at 1.0: the default was applied)."""
+    import openai
+
+    (prompt,) = _prompts(release_model, 1)
+    log = tmp_path / "server.log"
+    with served(release_model, stock=False, log=log, tokenizer=True,
+                vllm_args=("--generation-config", "auto")) as url:  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as refused:
+            _complete(url, release_model, prompt)
+        neutral = _complete(url, release_model, prompt, top_p=1.0, extra_body={"top_k": -1})
+    message = str(refused.value)
+    assert "top_k=20" in message and "top_p=0.95" in message
+    assert "generation_config.json" in message
+    trainer = trainer_factory(release_model, "float32", isoexec=True)
+    assert _bitwise(trainer, 0.6, prompt, neutral)
+    assert not _bitwise(trainer, 1.0, prompt, neutral)
+    assert "may be applied to requests that name none" in log.read_text()
+
+
+def test_a_config_override_does_not_match(
+    tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
+) -> None:
+    """`--hf-overrides '{"rms_norm_eps": 0.01}'` on the server: the worker's contract hashes
+    the effective config, so the trainer built from the checkpoint gets MISMATCH naming the
+    config digest (before, both said MATCH and 0/204 tokens were bitwise). Negative control:
+    the same server without the override MATCHes (`test_served_engine.py`)."""
+    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.megatron import trainer_contract
+
+    hf = json.loads((Path(release_model) / "config.json").read_text())
+    trainer = trainer_factory(release_model, "float32", isoexec=True)
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
+        launcher = ("--handshake-address", hs.address, "--handshake-token-file",
+                    str(tmp_path / "token"), "--handshake-run-id", "override-run")  # fmt: skip
+        with served(release_model, stock=False, log=tmp_path / "server.log", tokenizer=True,
+                    launcher_args=launcher,
+                    vllm_args=("--hf-overrides", '{"rms_norm_eps": 0.01}')):  # fmt: skip
+            with HandshakeClient(hs.address, token, timeout_s=120) as client:
+                verdict = client.offer("override-run", "trainer", 0,
+                                       trainer_contract(trainer, hf, "float32"))  # fmt: skip
+    assert verdict.outcome == "MISMATCH", verdict
+    assert any("config_digest" in d for d in verdict.diff), verdict.diff
