@@ -15,10 +15,13 @@ from typing import Any
 
 import grpc
 
+from isoexec.contract.canary import pack
 from isoexec.contract.contract import Contract
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
+from isoexec.contract.handshake.canary_board import CanaryVerdict
 from isoexec.contract.handshake.tls import ClientTLS
 from isoexec.contract.handshake.types import (
+    CANARY_METHOD,
     DEFAULT_MAX_MESSAGE_BYTES,
     OFFER_METHOD,
     QUERY_METHOD,
@@ -87,6 +90,11 @@ class HandshakeClient:
             request_serializer=pb.QueryRequest.SerializeToString,
             response_deserializer=pb.QueryReply.FromString,
         )
+        self._canary = self._channel.unary_unary(
+            CANARY_METHOD,
+            request_serializer=pb.CanaryRequest.SerializeToString,
+            response_deserializer=pb.CanaryVerdict.FromString,
+        )
         self.attempts_made = 0  # of the last call; tests and logs read it
 
     def offer(
@@ -115,6 +123,25 @@ class HandshakeClient:
             )
         reply = self._call(self._offer, req, timeout_s)
         return Verdict.from_proto(reply)
+
+    def offer_canary(
+        self,
+        run_id: str,
+        side: str,
+        rank: int,
+        weights_version: int,
+        logprobs: list[float],
+        *,
+        timeout_s: float | None = None,
+    ) -> CanaryVerdict:
+        """Offer this participant's canary (`isoexec.contract.canary`) for a weights version
+        and wait for the other side's: MATCH, or MISMATCH naming the first differing position
+        and both values. Needs the run's MATCH first (FAILED_PRECONDITION otherwise)."""
+        req = pb.CanaryRequest(
+            run_id=run_id, side=side, rank=rank, weights_version=weights_version,
+            logprobs=pack(logprobs),
+        )  # fmt: skip
+        return CanaryVerdict.from_proto(self._call(self._canary, req, timeout_s))
 
     def may_receive_weights(
         self, run_id: str, side: str, rank: int, *, timeout_s: float | None = 30.0

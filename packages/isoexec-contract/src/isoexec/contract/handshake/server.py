@@ -27,8 +27,10 @@ import grpc
 from google.protobuf import unknown_fields
 from google.protobuf.message import DecodeError
 
+from isoexec.contract.canary import CanaryError, unpack
 from isoexec.contract.contract import Contract, ContractError, SchemaVersionError
 from isoexec.contract.handshake._gen import handshake_pb2 as pb
+from isoexec.contract.handshake.canary_board import CanaryBoard
 from isoexec.contract.handshake.rendezvous import Rendezvous
 from isoexec.contract.handshake.tls import ServerTLS, check_plaintext_allowed
 from isoexec.contract.handshake.types import (
@@ -45,6 +47,15 @@ log = logging.getLogger(__name__)
 _RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-/]{0,127}$")
 _HASH = re.compile(r"^[0-9a-f]{64}$")
 _DEADLINE_MARGIN_S = 0.05
+
+
+def _deadline(context: grpc.ServicerContext) -> float:
+    """The monotonic time by which a waiting call must answer (its own deadline, less a margin
+    so that the answer still reaches it)."""
+    remaining = context.time_remaining()
+    if remaining is None:
+        return float("inf")
+    return time.monotonic() + max(0.0, remaining - _DEADLINE_MARGIN_S)
 
 
 class _Malformed:
@@ -106,6 +117,7 @@ class HandshakeServer:
             check_plaintext_allowed(host, insecure=insecure)
         self.tls = tls
         self.rendezvous = Rendezvous(expected, timeout_s=rendezvous_timeout_s, max_runs=max_runs)
+        self.canaries = CanaryBoard(self.rendezvous.may_receive_weights)
         self._token = token.encode("ascii")
         self.host = host
         self._requested_port = port
@@ -146,6 +158,11 @@ class HandshakeServer:
                 request_deserializer=_strict_parser(pb.QueryRequest),
                 response_serializer=_serialize,
             ),
+            "OfferCanary": grpc.unary_unary_rpc_method_handler(
+                self._offer_canary,
+                request_deserializer=_strict_parser(pb.CanaryRequest),
+                response_serializer=_serialize,
+            ),
         }
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
         host = f"[{self.host}]" if ":" in self.host else self.host
@@ -167,6 +184,7 @@ class HandshakeServer:
             return
         self._stopped = True
         self.rendezvous.close()
+        self.canaries.close()
         self._server.stop(grace).wait()
         self._server = None
 
@@ -251,12 +269,6 @@ class HandshakeServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ContractError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid contract: {e}")
-        remaining = context.time_remaining()
-        deadline = (
-            float("inf")
-            if remaining is None
-            else time.monotonic() + max(0.0, remaining - _DEADLINE_MARGIN_S)
-        )
         context.add_callback(self.rendezvous.wake)
         try:
             verdict = self.rendezvous.offer(
@@ -264,11 +276,34 @@ class HandshakeServer:
                 req.side,
                 req.rank,
                 contract,
-                deadline=deadline,
+                deadline=_deadline(context),
                 cancelled=lambda: not context.is_active(),
             )
         except HandshakeError as e:
             context.abort(e.code, e.details)
+        return verdict.to_proto()
+
+    def _offer_canary(self, req: Any, context: grpc.ServicerContext) -> Any:
+        self._guard(context, req)
+        self._participant(context, req)
+        try:
+            values = unpack(req.logprobs)
+        except CanaryError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        context.add_callback(self.canaries.wake)
+        try:
+            verdict = self.canaries.offer(
+                req.run_id,
+                req.side,
+                req.rank,
+                req.weights_version,
+                values,
+                deadline=_deadline(context),
+                cancelled=lambda: not context.is_active(),
+            )
+        except HandshakeError as e:
+            context.abort(e.code, e.details)
+        log.info("isoexec canary %s/%d run %s: %s", req.side, req.rank, req.run_id, verdict.summary)
         return verdict.to_proto()
 
     def _query(self, req: Any, context: grpc.ServicerContext) -> Any:

@@ -13,6 +13,7 @@ import grpc
 SERVICE = "isoexec.v1.ContractExchange"
 OFFER_METHOD = f"/{SERVICE}/Offer"
 QUERY_METHOD = f"/{SERVICE}/Query"
+CANARY_METHOD = f"/{SERVICE}/OfferCanary"
 TOKEN_METADATA_KEY = "x-isoexec-token"
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 MIN_TOKEN_CHARS = 16

@@ -74,3 +74,33 @@ class QueryReply(_message.Message):
     may_receive_weights: bool
     reason: str
     def __init__(self, may_receive_weights: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CanaryRequest(_message.Message):
+    __slots__ = ("run_id", "side", "rank", "weights_version", "logprobs")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    side: str
+    rank: int
+    weights_version: int
+    logprobs: bytes
+    def __init__(self, run_id: _Optional[str] = ..., side: _Optional[str] = ..., rank: _Optional[int] = ..., weights_version: _Optional[int] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
+
+class CanaryVerdict(_message.Message):
+    __slots__ = ("outcome", "run_id", "weights_version", "reference", "first_position", "summary")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    SUMMARY_FIELD_NUMBER: _ClassVar[int]
+    outcome: Verdict.Outcome
+    run_id: str
+    weights_version: int
+    reference: str
+    first_position: int
+    summary: str
+    def __init__(self, outcome: _Optional[_Union[Verdict.Outcome, str]] = ..., run_id: _Optional[str] = ..., weights_version: _Optional[int] = ..., reference: _Optional[str] = ..., first_position: _Optional[int] = ..., summary: _Optional[str] = ...) -> None: ...

@@ -44,6 +44,11 @@ class ContractExchangeStub:
                 request_serializer=isoexec_dot_v1_dot_handshake__pb2.QueryRequest.SerializeToString,
                 response_deserializer=isoexec_dot_v1_dot_handshake__pb2.QueryReply.FromString,
                 _registered_method=True)
+        self.OfferCanary = channel.unary_unary(
+                '/isoexec.v1.ContractExchange/OfferCanary',
+                request_serializer=isoexec_dot_v1_dot_handshake__pb2.CanaryRequest.SerializeToString,
+                response_deserializer=isoexec_dot_v1_dot_handshake__pb2.CanaryVerdict.FromString,
+                _registered_method=True)
 
 
 class ContractExchangeServicer:
@@ -64,6 +69,16 @@ class ContractExchangeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OfferCanary(self, request, context):
+        """After MATCH: offer this participant's numeric canary, the T=1 logprobs of the run's probe
+        sequence under its live weights and settings (isoexec.contract.canary). Blocks until the
+        other side has offered for the same weights version, then compares bit for bit. Only a
+        participant whose latest contract offer is part of the run's MATCH may offer.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ContractExchangeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +91,11 @@ def add_ContractExchangeServicer_to_server(servicer, server):
                     servicer.Query,
                     request_deserializer=isoexec_dot_v1_dot_handshake__pb2.QueryRequest.FromString,
                     response_serializer=isoexec_dot_v1_dot_handshake__pb2.QueryReply.SerializeToString,
+            ),
+            'OfferCanary': grpc.unary_unary_rpc_method_handler(
+                    servicer.OfferCanary,
+                    request_deserializer=isoexec_dot_v1_dot_handshake__pb2.CanaryRequest.FromString,
+                    response_serializer=isoexec_dot_v1_dot_handshake__pb2.CanaryVerdict.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +152,33 @@ class ContractExchange:
             '/isoexec.v1.ContractExchange/Query',
             isoexec_dot_v1_dot_handshake__pb2.QueryRequest.SerializeToString,
             isoexec_dot_v1_dot_handshake__pb2.QueryReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OfferCanary(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/isoexec.v1.ContractExchange/OfferCanary',
+            isoexec_dot_v1_dot_handshake__pb2.CanaryRequest.SerializeToString,
+            isoexec_dot_v1_dot_handshake__pb2.CanaryVerdict.FromString,
             options,
             channel_credentials,
             insecure,
