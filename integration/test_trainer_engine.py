@@ -181,3 +181,85 @@ def test_logprobs_mode_is_in_the_contract(
         engine, trainer_factory(model_dir, "float32"), prompts, TEMPS, max_tokens=4
     )
     assert not torch.equal(processed_lp, raw_lp)
+
+
+def _contracts_then_canaries(
+    trainer: Any, hf: dict[str, Any], engine: Any, run_id: str
+) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
+    """Contracts offered by both sides, then (only after MATCH) both canaries for the loaded
+    weights (version 0): (trainer contract verdict, engine's, trainer canary verdict, engine's)."""
+    import secrets
+    import threading
+
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.megatron.canary import offer_canary
+
+    token = secrets.token_hex(16)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
+        t_contract, e_contract = handshake(
+            trainer_contract(trainer, hf, "float32"), engine, run_id, server=hs, token=token
+        )
+        assert t_contract.matched and e_contract["outcome"] == "MATCH", t_contract
+        got: dict[str, Any] = {}
+        t = threading.Thread(
+            target=lambda: got.update(t=offer_canary(trainer, hs.address, token, run_id, 0)),
+            daemon=True,
+        )
+        t.start()
+        e_canary = engine.call("canary", hs.address, token, run_id, 0)
+        t.join(60)
+    return t_contract, e_contract, got["t"], e_canary
+
+
+def test_canary_matches_after_the_contracts(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """After MATCH both sides score the run's 64-token probe (the engine in a batch with three
+    other requests) and the service finds the 63 logprobs bitwise equal. What it costs is
+    printed."""
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    trainer = trainer_factory(model_dir, "float32")
+    *_, t_canary, e_canary = _contracts_then_canaries(trainer, _hf(model_dir), engine, "canary")
+    assert t_canary.matched and e_canary["matched"], e_canary
+    assert "63 logprobs bitwise equal" in e_canary["summary"]
+    engine_ms = e_canary["engine_scored_s"] * 1e3
+    print(f"canary cost: {t_canary.summary}; the engine's batch took {engine_ms:.0f} ms")
+
+
+def test_canary_refuses_what_a_disabled_config_check_let_through(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """The canary catches what the contract failed to describe. The trainer is built from the
+    same weights with `rms_norm_eps` 0.01 (a config override), and the contract's config check
+    is disabled, so the contract claims the checkpoint's config: both sides say MATCH. The
+    canary refuses, naming the first differing probe position and both values. Negative
+    control of the check itself: with it on, that trainer's contract cannot even be built."""
+    import shutil
+
+    from isoexec.megatron import contract_readback
+
+    model_dir = model_factory("tiny-dense", "float32")
+    overridden = tmp_path / "overridden"
+    shutil.copytree(model_dir, overridden)
+    hf = _hf(model_dir)
+    (overridden / "config.json").write_text(json.dumps({**hf, "rms_norm_eps": 0.01}))
+    trainer = trainer_factory(str(overridden), "float32", fresh=True)
+    with pytest.raises(ValueError, match="is not the config the model was built from"):
+        trainer_contract(trainer, hf, "float32")
+    monkeypatch.setattr(contract_readback, "_check_model", lambda model, cfg: None)
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    t_contract, _, t_canary, e_canary = _contracts_then_canaries(trainer, hf, engine, "blind")
+    assert t_contract.matched  # the contract was fooled
+    assert not t_canary.matched and not e_canary["matched"]
+    assert e_canary["first_position"] >= 1
+    assert (
+        "canary MISMATCH at weights version 0: canary differs first at probe position"
+        in (e_canary["summary"])
+    )

@@ -183,3 +183,31 @@ def test_the_launcher_says_what_it_does_with_the_models_sampling_defaults(tmp_pa
     assert note is not None and "NOT applied" in note and "top_k=20" in note
     note = generation_defaults_note(str(tmp_path), ["--generation-config", "auto"])
     assert note is not None and "HTTP 400" in note
+
+
+def test_an_engine_without_the_admission_check_has_no_contract(
+    dense_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An IsoExec engine embedded without `logits_processors=[ADMISSION]` would sample requests
+    the trainer does not reproduce under a MATCH: its contract is refused (no MATCH, no
+    weights). Control: a stock engine (IsoExec not installed) builds none of this check."""
+    from isoexec.vllm import engine_contract
+
+    monkeypatch.setattr(engine_contract, "is_installed", lambda: True)
+    with pytest.raises(engine_contract.EngineSettingsError, match="without IsoExec's admission"):
+        engine_contract.worker_contract(None, None, _vllm_config(dense_dir))  # type: ignore[arg-type]
+
+
+def test_the_reliability_doc_shows_the_allow_lists() -> None:
+    """docs/reliability.md's allow-list tables are the code's (generated, not hand-kept)."""
+    import re
+
+    from isoexec.vllm.serve_flags import flags_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "reliability.md").read_text()
+    for name, table in (("requests", admission.allow_list_markdown()), ("flags", flags_markdown())):
+        m = re.search(rf"<!-- allow-list: {name} -->\n(.*?)<!-- /allow-list: {name} -->", doc, re.S)
+        assert m is not None and m.group(1) == table, f"regenerate the {name} table"
+    for ref in re.findall(r"`([\w/]+\.py)::(\w+)`", admission.allow_list_markdown()):
+        src = (Path(__file__).resolve().parents[2] / ref[0]).read_text()
+        assert re.search(rf"^def {ref[1]}\(", src, re.M), ref

@@ -12,6 +12,10 @@ dev-mode endpoints.
   its MATCH (the weight gate) before loading, between engine steps. `served_status` reads each
   worker's gate state. The routes are served by `isoexec.vllm.served_routes` (vLLM's
   `--middleware` extension point).
+- **Canary before sampling.** An engine started with handshake settings samples only once a
+  canary (`isoexec.contract.canary`) of the weights it holds has MATCHed: at start-up and after
+  every push. `served_canary` asks the engine to score and offer its canary for a weights
+  version while the trainer offers its own (`isoexec.megatron.canary`).
 
 Framework-free: a trainer node imports this without vLLM.
 """
@@ -31,6 +35,7 @@ if TYPE_CHECKING:
 HANDSHAKE_CONFIG_KEY = "isoexec_handshake"
 WEIGHTS_ROUTE = "/isoexec/weights"
 STATUS_ROUTE = "/isoexec/status"
+CANARY_ROUTE = "/isoexec/canary"
 FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
 DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its trainer
 
@@ -123,6 +128,18 @@ def push_weights(
     return [str(f) for f in reply["fingerprints"]]
 
 
+def served_canary(
+    base_url: str, token: str, weights_version: int, timeout_s: float = 600.0
+) -> dict[str, Any]:
+    """Ask a served engine to score the run's canary probe under the weights it holds and
+    offer it for `weights_version` (0 at start, +1 per push); its verdict (`matched`,
+    `summary`, `first_position`, `engine_scored_s`). The trainer offers its own concurrently;
+    the engine samples again only after a MATCH."""
+    body = json.dumps({"weights_version": int(weights_version)}).encode()
+    headers = {"Content-Type": "application/json"}
+    return _request(base_url + CANARY_ROUTE, token, body, headers, timeout_s)
+
+
 def served_status(base_url: str, token: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:
     """Each worker's gate state: cleared, last verdict, gated loads, last fingerprint."""
     return list(_request(base_url + STATUS_ROUTE, token, None, {}, timeout_s)["workers"])
@@ -150,6 +167,7 @@ def _request(
 
 
 __all__ = [
+    "CANARY_ROUTE",
     "FINGERPRINT_HEADER",
     "HANDSHAKE_CONFIG_KEY",
     "STATUS_ROUTE",
@@ -158,5 +176,6 @@ __all__ = [
     "ServedHandshakeError",
     "WeightPushError",
     "push_weights",
+    "served_canary",
     "served_status",
 ]

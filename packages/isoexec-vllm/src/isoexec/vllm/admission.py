@@ -187,11 +187,33 @@ class IsoAdmission(LogitsProcessor):
         return None
 
 
+# The test that shows each kind of decision (docs/reliability.md's allow-list tables).
+ALLOWED_TEST = "tests/vllm/test_admission.py::test_allowed_settings_and_neutral_values_pass"
+REFUSED_TEST = (
+    "integration/test_served_admission.py::"
+    "test_refused_settings_get_400_alone_and_good_requests_stay_bitwise"
+)
+UNLISTED_TEST = "tests/vllm/test_admission.py::test_a_field_vllm_adds_fails_closed"
+
+
+def allow_list_markdown() -> str:
+    """The request allow-list as docs/reliability.md shows it (a test keeps the two equal)."""
+    rows = ["| request setting | decision | why | test |", "|---|---|---|---|"]
+    for field, why in ALLOWED_REQUEST_FIELDS.items():
+        rows.append(f"| `{field}` | allowed | {why} | `{ALLOWED_TEST}` |")
+    for field, why in _REFUSAL_REASONS.items():
+        rows.append(f"| `{field}` | refused unless neutral | {why} | `{REFUSED_TEST}` |")
+    rows.append(f"| any other field | refused unless at its default | not on the allow-list | "
+                f"`{UNLISTED_TEST}` |")  # fmt: skip
+    return "\n".join(rows) + "\n"
+
+
 __all__ = [
     "ADMISSION",
     "ALLOWED_REQUEST_FIELDS",
     "IsoAdmission",
     "SettingRefusedError",
+    "allow_list_markdown",
     "check_request",
     "has_admission",
     "refused_engine_settings",

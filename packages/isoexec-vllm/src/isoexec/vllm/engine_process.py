@@ -355,6 +355,36 @@ class _Handler:
             "isoexec_handshake", args=(address, token, run_id, 300.0, tls)
         )
 
+    def canary(
+        self,
+        address: str,
+        token: str,
+        run_id: str,
+        weights_version: int,
+        tls: dict[str, str | None] | None = None,
+    ) -> dict[str, Any]:
+        """Score the run's canary probe in a batch with other requests and offer it as
+        engine/0 for `weights_version` (`isoexec.vllm.canary`); the verdict as a dict."""
+        import time
+
+        from isoexec.contract.handshake.tls import ClientTLS
+        from isoexec.vllm import canary
+        from vllm.inputs import TokensPrompt
+
+        probe = canary.probe_for(self.llm.llm_engine.vllm_config, run_id)
+        batch = canary.canary_batch(probe)
+        started = time.perf_counter()
+        outs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p, _ in batch], [sp for _, sp in batch],
+            use_tqdm=False,
+        )  # fmt: skip
+        values = canary.probe_logprobs(probe, outs[0].prompt_logprobs)
+        return canary.offer(
+            values, address=address, token=token, run_id=run_id,
+            weights_version=weights_version, tls=ClientTLS(**tls) if tls else None,
+            scored_s=time.perf_counter() - started,
+        )  # fmt: skip
+
     def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:
         """Load HF-named weights on every worker, then drop the now stale prefix cache."""
         fps = self.llm.collective_rpc("isoexec_load_weights", args=(path, expected_fingerprint))

@@ -65,8 +65,21 @@ REFUSAL_REASONS: Mapping[str, str] = {
 }
 
 
-class FlagRefusedError(ValueError):
-    """A vLLM flag the launcher does not pass through."""
+FLAGS_TEST = "tests/vllm/test_admission.py::test_the_launcher_refuses_flags_off_its_allow_list"
+
+
+def flags_markdown() -> str:
+    """The launcher's flag allow-list as docs/reliability.md shows it (a test keeps them equal)."""
+    rows = ["| vLLM flag | decision | why | test |", "|---|---|---|---|"]
+    by_reason: dict[str, list[str]] = {}
+    for flag, why in ALLOWED_FLAGS.items():
+        by_reason.setdefault(why, []).append(f"`{flag}`")
+    for why, flags in by_reason.items():
+        rows.append(f"| {', '.join(flags)} | passed through | {why} | `{FLAGS_TEST}` |")
+    for flag, why in REFUSAL_REASONS.items():
+        rows.append(f"| `{flag}` | refused | {why} | `{FLAGS_TEST}` |")
+    rows.append(f"| any other flag | refused | not on the allow-list | `{FLAGS_TEST}` |")
+    return "\n".join(rows) + "\n"
 
 
 def flag_name(arg: str) -> str | None:
@@ -101,4 +114,4 @@ def given(vllm_args: Sequence[str], flag: str) -> bool:
     return any(flag_name(a) == flag for a in vllm_args)
 
 
-__all__ = ["ALLOWED_FLAGS", "FlagRefusedError", "flag_name", "given", "refused_flags"]
+__all__ = ["ALLOWED_FLAGS", "flag_name", "flags_markdown", "given", "refused_flags"]

@@ -9,9 +9,18 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   Then the prefix cache is reset (its KV came from the old weights). Replies
   `{"fingerprints": [...]}` (per worker, of the weights it then holds); 409 with the workers'
   reason when refused.
-- `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker]}`.
+- `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker], "sampling": the
+  sampling gate}`.
+- `POST CANARY_ROUTE`, body `{"weights_version": k}`: the engine scores the run's canary probe
+  in a batch with other requests and offers it (`isoexec.vllm.canary`); replies its verdict.
 
-Both answer 401 without the token, and 404 on an engine started without handshake settings.
+All answer 401 without the token, and 404 on an engine started without handshake settings.
+
+**The sampling gate.** An engine with handshake settings serves samples only while a canary of
+the weights it holds has MATCHed: not before the first one, not after a push until the next
+one (weights version +1), not after a MISMATCH. Every other path answers 503 naming why,
+except the few that compute no sample (`UNGATED`): an allow-list, so a route vLLM adds later
+is gated too.
 """
 
 from __future__ import annotations
@@ -23,29 +32,70 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.contract.served import (
+    CANARY_ROUTE,
     FINGERPRINT_HEADER,
     STATUS_ROUTE,
     WEIGHTS_ROUTE,
+    ServedHandshake,
     ServedHandshakeError,
 )
 from isoexec.vllm.served_handshake import served_handshake
 
+ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE)
+# Paths that compute no sample: served before the canary passes.
+UNGATED = ("/health", "/ping", "/version", "/metrics", "/v1/models", "/tokenize", "/detokenize")
+
+
+class SamplingGate:
+    """This server's sampling gate (one per API-server process; the launcher allows one)."""
+
+    def __init__(self) -> None:
+        self.weights_version = 0
+        self.cleared = False
+        self.reason = "no canary has MATCHed yet for the weights loaded at start (version 0)"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"weights_version": self.weights_version, "cleared": self.cleared,
+                "reason": "" if self.cleared else self.reason}  # fmt: skip
+
+
+GATE = SamplingGate()
+
+
+_SETTINGS: dict[int, tuple[ServedHandshake | None, str | None]] = {}
+
+
+def _settings(vllm_config: Any) -> tuple[ServedHandshake | None, str | None]:
+    """The handshake settings and token, read once per server (every request asks)."""
+    key = id(vllm_config)
+    if key not in _SETTINGS:
+        settings = served_handshake(vllm_config)
+        _SETTINGS[key] = (settings, None if settings is None else settings.token())
+    return _SETTINGS[key]
+
+
+def _json_error(status: int, message: str) -> Any:
+    from fastapi.responses import JSONResponse
+
+    return JSONResponse({"error": message}, status_code=status)
+
 
 async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     path = request.url.path
-    if path not in (WEIGHTS_ROUTE, STATUS_ROUTE):
-        return await call_next(request)
-    from fastapi.responses import JSONResponse
-
-    def error(status: int, message: str) -> Any:
-        return JSONResponse({"error": message}, status_code=status)
-
     state = request.app.state
+    error = _json_error
     try:
-        settings = served_handshake(state.vllm_config)
-        token = None if settings is None else settings.token()
+        settings, token = _settings(state.vllm_config)
     except ServedHandshakeError as e:
         return error(500, str(e))
+    if path not in ROUTES:
+        if token is None or GATE.cleared or path in UNGATED:
+            return await call_next(request)
+        await request.body()
+        return error(503, f"IsoExec: this engine is not cleared to sample: {GATE.reason} (the "
+                          f"trainer runs the canary: POST {CANARY_ROUTE})")  # fmt: skip
+    from fastapi.responses import JSONResponse
+
     if token is None:
         return error(404, "this engine was started without handshake settings "
                           "(isoexec engine serve --handshake-address ...)")  # fmt: skip
@@ -57,7 +107,11 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     if path == STATUS_ROUTE:
         if request.method != "GET":
             return error(405, f"{STATUS_ROUTE} takes GET")
-        return JSONResponse({"workers": await engine.collective_rpc("isoexec_gate_status")})
+        workers = await engine.collective_rpc("isoexec_gate_status")
+        return JSONResponse({"workers": workers, "sampling": GATE.as_dict()})
+    if path == CANARY_ROUTE:
+        assert settings is not None
+        return await _canary(request, engine, settings, token)
     if request.method != "POST":
         return error(405, f"{WEIGHTS_ROUTE} takes POST")
     body = await request.body()
@@ -80,7 +134,61 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
             "weights loaded, but the prefix cache could not be reset: samples may reuse KV of "
             "the old weights (retry when the engine is idle)",
         )
-    return JSONResponse({"fingerprints": list(got)})
+    GATE.weights_version += 1
+    GATE.cleared = False
+    GATE.reason = f"new weights (version {GATE.weights_version}) have not passed a canary"
+    return JSONResponse({"fingerprints": list(got), "weights_version": GATE.weights_version})
+
+
+async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: str) -> Any:
+    """Score and offer the canary of the weights this engine holds; open or close the gate."""
+    import asyncio
+    import json
+    import time
+    import uuid
+
+    from fastapi.responses import JSONResponse
+
+    from isoexec.vllm import canary
+    from vllm.inputs import TokensPrompt
+
+    if request.method != "POST":
+        return _json_error(405, f"{CANARY_ROUTE} takes POST")
+    try:
+        version = int(json.loads(await request.body())["weights_version"])
+    except (ValueError, KeyError, TypeError):
+        return _json_error(400, 'the body must be {"weights_version": <int>}')
+    if version != GATE.weights_version:
+        return _json_error(409, f"this engine holds weights version {GATE.weights_version}, "
+                                f"not {version}")  # fmt: skip
+    probe = canary.probe_for(request.app.state.vllm_config, settings.run_id)
+
+    async def run(prompt: list[int], params: Any) -> Any:
+        last = None
+        rid = f"isoexec-canary-{uuid.uuid4().hex}"
+        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, rid):
+            last = out
+        return last
+
+    started = time.perf_counter()
+    outs = await asyncio.gather(*(run(p, sp) for p, sp in canary.canary_batch(probe)))
+    values = canary.probe_logprobs(probe, outs[0].prompt_logprobs)
+    scored = time.perf_counter() - started
+    try:
+        verdict = await asyncio.to_thread(
+            canary.offer, values, address=settings.address, token=token,
+            run_id=settings.run_id, weights_version=version, tls=settings.client_tls(),
+            scored_s=scored,
+        )  # fmt: skip
+    except Exception as e:  # the service refused or could not be reached: the gate stays shut
+        GATE.cleared, GATE.reason = False, f"the canary could not be offered: {e}"
+        return _json_error(502, GATE.reason)
+    if version == GATE.weights_version:  # no push arrived meanwhile
+        GATE.cleared = bool(verdict["matched"])
+        GATE.reason = "" if GATE.cleared else verdict["summary"]
+    print(f"isoexec: {verdict['summary']} (engine scored it in {scored * 1e3:.0f} ms)",
+          flush=True)  # fmt: skip
+    return JSONResponse(verdict)
 
 
 __all__ = ["isoexec_routes"]
