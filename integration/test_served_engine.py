@@ -77,7 +77,7 @@ def test_openai_client_against_stock_served_engine_differs(
     trainer_factory: Callable[..., Any],
 ) -> None:
     """Negative control: vLLM's server as upstream (`--stock`) against a stock trainer. It also
-    accepts what the IsoExec server refuses at admission (a logit bias, a penalty, top-k;
+    accepts what the IsoExec server refuses at admission (penalties, top-k, min-p;
     `test_served_admission.py`): the refusal is IsoExec's, not vLLM's."""
     from openai import OpenAI
 
@@ -86,8 +86,9 @@ def test_openai_client_against_stock_served_engine_differs(
     with served(model, stock=True, log=tmp_path / "server.log") as url:
         sampled = _sample(url, model, prompts)
         accepted = OpenAI(base_url=f"{url}/v1", api_key="unused").completions.create(
-            model=model, prompt=prompts[0], max_tokens=2, logprobs=1, logit_bias={"5": 3},
-            extra_body={"repetition_penalty": 1.3, "top_k": 20},
+            model=model, prompt=prompts[0], max_tokens=2, logprobs=1, presence_penalty=0.5,
+            extra_body={"repetition_penalty": 1.3, "top_k": 20, "min_p": 0.1,
+                        "return_tokens_as_token_ids": True},
         )  # fmt: skip
     assert len(accepted.choices[0].logprobs.token_logprobs) == 2
     train, eng = _compare(trainer_factory(model, "float32", isoexec=False), sampled)

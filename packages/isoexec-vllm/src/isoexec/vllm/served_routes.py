@@ -92,8 +92,13 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         if token is None or GATE.cleared or path in UNGATED:
             return await call_next(request)
         await request.body()
-        return error(503, f"IsoExec: this engine is not cleared to sample: {GATE.reason} (the "
-                          f"trainer runs the canary: POST {CANARY_ROUTE})")  # fmt: skip
+        from fastapi.responses import JSONResponse
+
+        message = (f"IsoExec: this engine is not cleared to sample: {GATE.reason} (the trainer "
+                   f"runs the canary: POST {CANARY_ROUTE})")  # fmt: skip
+        # In the OpenAI error shape vLLM answers with, so OpenAI clients show the message.
+        body = {"error": {"message": message, "type": "ServiceUnavailable", "code": 503}}
+        return JSONResponse(body, status_code=503)
     from fastapi.responses import JSONResponse
 
     if token is None:
