@@ -32,6 +32,7 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
         enable_prefix_caching=True, max_num_batched_tokens=64, enable_chunked_prefill=True,
         logprobs_mode="processed_logprobs", kv_cache_memory_bytes=128 * 2**20, seed=0,
         worker_extension_cls="isoexec.vllm.worker_extension.IsoWorkerExtension",
+        logits_processors=["isoexec.vllm.admission:IsoAdmission"], generation_config="vllm",
         additional_config={VLLM_ADDITIONAL_CONFIG_KEY: {}, HANDSHAKE_CONFIG_KEY: job["handshake"]},
     )  # fmt: skip
     engine = AsyncLLM.from_engine_args(args)

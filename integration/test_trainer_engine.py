@@ -184,10 +184,11 @@ def test_logprobs_mode_is_in_the_contract(
 
 
 def _contracts_then_canaries(
-    trainer: Any, hf: dict[str, Any], engine: Any, run_id: str
+    trainer: Any, hf: dict[str, Any], engine: Any, run_id: str, versions: int = 1
 ) -> tuple[Any, dict[str, Any], Any, dict[str, Any]]:
-    """Contracts offered by both sides, then (only after MATCH) both canaries for the loaded
-    weights (version 0): (trainer contract verdict, engine's, trainer canary verdict, engine's)."""
+    """Contracts offered by both sides, then (only after MATCH) both canaries for weights
+    versions 0..versions-1: (trainer contract verdict, engine's, and the last canary verdicts
+    of the trainer and the engine)."""
     import secrets
     import threading
 
@@ -201,14 +202,19 @@ def _contracts_then_canaries(
         )
         assert t_contract.matched and e_contract["outcome"] == "MATCH", t_contract
         got: dict[str, Any] = {}
-        t = threading.Thread(
-            target=lambda: got.update(t=offer_canary(trainer, hs.address, token, run_id, 0)),
-            daemon=True,
-        )
-        t.start()
-        e_canary = engine.call("canary", hs.address, token, run_id, 0)
-        t.join(60)
-    return t_contract, e_contract, got["t"], e_canary
+        for version in range(versions):
+            t = threading.Thread(
+                target=lambda v=version: got.update(
+                    t=offer_canary(trainer, hs.address, token, run_id, v)
+                ),
+                daemon=True,
+            )
+            t.start()
+            got["e"] = engine.call("canary", hs.address, token, run_id, version)
+            t.join(60)
+            print(f"canary v{version}: {got['t'].summary}; the engine's batch took "
+                  f"{got['e']['engine_scored_s'] * 1e3:.0f} ms")  # fmt: skip
+    return t_contract, e_contract, got["t"], got["e"]
 
 
 def test_canary_matches_after_the_contracts(
@@ -217,16 +223,15 @@ def test_canary_matches_after_the_contracts(
     trainer_factory: Callable[..., Any],
 ) -> None:
     """After MATCH both sides score the run's 64-token probe (the engine in a batch with three
-    other requests) and the service finds the 63 logprobs bitwise equal. What it costs is
-    printed."""
+    other requests) and the service finds the 63 logprobs bitwise equal, for the weights as
+    loaded and again for a second weights version. What each costs is printed."""
     model_dir = model_factory("tiny-dense", "float32")
     engine = _engine(engine_pool, model_dir, "float32", True)
     trainer = trainer_factory(model_dir, "float32")
-    *_, t_canary, e_canary = _contracts_then_canaries(trainer, _hf(model_dir), engine, "canary")
+    hf = _hf(model_dir)
+    *_, t_canary, e_canary = _contracts_then_canaries(trainer, hf, engine, "canary", versions=2)
     assert t_canary.matched and e_canary["matched"], e_canary
     assert "63 logprobs bitwise equal" in e_canary["summary"]
-    engine_ms = e_canary["engine_scored_s"] * 1e3
-    print(f"canary cost: {t_canary.summary}; the engine's batch took {engine_ms:.0f} ms")
 
 
 def test_canary_refuses_what_a_disabled_config_check_let_through(
