@@ -57,10 +57,16 @@ def _client(url: str) -> Any:
 
 
 def _complete(url: str, model: str, prompt: list[int], **kw: Any) -> Any:
+    """The completion, with the `SamplingRecord` its response carried as `.isoexec_record`."""
+    from isoexec.contract.served import SAMPLING_HEADER, SamplingRecord
+
     extra = {"return_tokens_as_token_ids": True, **kw.pop("extra_body", {})}
-    return _client(url).completions.create(
+    raw = _client(url).completions.with_raw_response.create(
         model=model, prompt=prompt, max_tokens=MAX_TOKENS, logprobs=1, extra_body=extra, **kw
     )
+    resp = raw.parse()
+    resp.isoexec_record = SamplingRecord.from_header(raw.headers.get(SAMPLING_HEADER))
+    return resp
 
 
 def _ids_and_logprobs(resp: Any) -> tuple[list[int], list[float]]:
@@ -69,11 +75,19 @@ def _ids_and_logprobs(resp: Any) -> tuple[list[int], list[float]]:
     return ids, list(choice.logprobs.token_logprobs)
 
 
-def _bitwise(trainer: Any, temp: float, prompt: list[int], resp: Any) -> bool:
+def _bitwise(trainer: Any, prompt: list[int], resp: Any, temp: float | None = None) -> bool:
+    """The trainer's scoring of the completion equals its logprobs bit for bit: scored with
+    the record the response carried (`score_sampled`), or at `temp` when given."""
+    from isoexec.megatron import score_sampled
     from isoexec.megatron.scoring import score
 
     ids, lps = _ids_and_logprobs(resp)
-    (train,) = score(trainer, [prompt + ids], temperature=temp)
+    seqs = [prompt + ids]
+    (train,) = (
+        score_sampled(trainer, seqs, resp.isoexec_record)
+        if temp is None
+        else score(trainer, seqs, temperature=temp)
+    )
     return torch.equal(train[-len(ids) :].float(), torch.tensor(lps, dtype=torch.float32))
 
 
@@ -120,9 +134,11 @@ def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
         assert "Error code: 400" in message and f"{name}=" in message, (name, message)
         assert "IsoExec refuses this request" in message
     trainer = trainer_factory(release_model, "float32", isoexec=True)
-    for i, resp in enumerate(answers):
-        assert _bitwise(trainer, temps[i] or 1.0, prompts[i], resp), i
-    assert _bitwise(trainer, 0.7, prompts[1], after)
+    for i, resp in enumerate(answers):  # each scored with the record its response carried
+        assert resp.isoexec_record.temperature == (temps[i] or 1.0), resp.isoexec_record
+        assert resp.isoexec_record.logprobs_mode == "processed_logprobs"
+        assert _bitwise(trainer, prompts[i], resp), i
+    assert _bitwise(trainer, prompts[1], after)
     text = log.read_text()
     assert "are NOT applied (--generation-config vllm)" in text and "top_k=20" in text
     assert "EngineDeadError" not in text
@@ -133,8 +149,9 @@ def test_model_defaults_applied_are_refused_unless_neutralised(
 ) -> None:
     """`--generation-config auto` (the model's defaults applied, as stock vLLM does): a request
     naming nothing inherits top_k=20/top_p=0.95 and is refused at admission, naming them and
-    where they came from. One that sets them neutral is sampled at the shipped temperature 0.6
-    and is bitwise the trainer's scoring at 0.6 (and not at 1.0: the default was applied)."""
+    where they came from. One that sets them neutral is sampled at the shipped temperature 0.6,
+    which its response's record says; scored with that record it is bitwise (and not at 1.0,
+    what a trainer unaware of the default would use). A sequence without a record is refused."""
     import openai
 
     (prompt,) = _prompts(release_model, 1)
@@ -148,8 +165,21 @@ def test_model_defaults_applied_are_refused_unless_neutralised(
     assert "top_k=20" in message and "top_p=0.95" in message
     assert "generation_config.json" in message
     trainer = trainer_factory(release_model, "float32", isoexec=True)
-    assert _bitwise(trainer, 0.6, prompt, neutral)
-    assert not _bitwise(trainer, 1.0, prompt, neutral)
+    assert neutral.isoexec_record.temperature == 0.6  # the shipped default, recorded
+    assert _bitwise(trainer, prompt, neutral)
+    assert not _bitwise(trainer, prompt, neutral, temp=1.0)  # what a trainer assuming 1.0 gets
+    # A sequence without its record, or sampled in another logprobs mode, is not scored.
+    from dataclasses import replace
+
+    from isoexec.contract.served import SamplingRecordError
+    from isoexec.megatron import score_sampled
+
+    seq = [prompt + _ids_and_logprobs(neutral)[0]]
+    with pytest.raises(SamplingRecordError, match="without the record"):
+        score_sampled(trainer, seq, None)
+    raw = replace(neutral.isoexec_record, logprobs_mode="raw_logprobs")
+    with pytest.raises(SamplingRecordError, match="raw_logprobs"):
+        score_sampled(trainer, seq, raw)
     assert "may be applied to requests that name none" in log.read_text()
 
 

@@ -78,3 +78,18 @@ def test_push_sends_bytes_fingerprint_and_token_and_reports_a_refusal() -> None:
             push_weights(url, "bad", tensors)
     finally:
         server.shutdown()
+
+
+def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() -> None:
+    from isoexec.contract.served import SamplingRecord, SamplingRecordError
+
+    record = SamplingRecord(0.6, "processed_logprobs", 2)
+    assert SamplingRecord.from_header(record.to_header()) == record
+    bad_headers = [
+        None, "", "{", "[]", '{"temperature": 1.0}',
+        '{"temperature": "hot", "logprobs_mode": "x", "weights_version": 0}',
+        '{"temperature": 1, "logprobs_mode": "x", "weights_version": 0, "top_k": 5}',
+    ]  # fmt: skip
+    for bad in bad_headers:
+        with pytest.raises(SamplingRecordError):
+            SamplingRecord.from_header(bad)

@@ -16,6 +16,9 @@ dev-mode endpoints.
   canary (`isoexec.contract.canary`) of the weights it holds has MATCHed: at start-up and after
   every push. `served_canary` asks the engine to score and offer its canary for a weights
   version while the trainer offers its own (`isoexec.megatron.canary`).
+- **What each completion was sampled with.** Every completion response carries a
+  `SamplingRecord` (effective temperature, logprobs mode, weights version) in
+  `SAMPLING_HEADER`; the trainer scores with it and refuses a sequence without it.
 
 Framework-free: a trainer node imports this without vLLM.
 """
@@ -38,6 +41,48 @@ STATUS_ROUTE = "/isoexec/status"
 CANARY_ROUTE = "/isoexec/canary"
 FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
 DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its trainer
+
+
+SAMPLING_HEADER = "X-IsoExec-Sampling"
+SAMPLING_FIELDS = ("temperature", "logprobs_mode", "weights_version")
+
+
+class SamplingRecordError(ValueError):
+    """A sequence without the record of what it was sampled with, or a malformed one."""
+
+
+@dataclass(frozen=True)
+class SamplingRecord:
+    """What a served completion was sampled with, after the server's defaults: the effective
+    temperature, the engine's logprobs mode, and the weights version it was sampled under (0:
+    as loaded, +1 per push). The server sends it in `SAMPLING_HEADER` of every completion
+    response; the trainer scores with it (`isoexec.megatron.score_sampled`). The other
+    settings need no record: the admission check lets through only those that leave the
+    sampled distribution alone."""
+
+    temperature: float
+    logprobs_mode: str
+    weights_version: int
+
+    def to_header(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_header(cls, text: str | None) -> SamplingRecord:
+        if not text:
+            raise SamplingRecordError(
+                f"no {SAMPLING_HEADER} header: the completion does not say what it was sampled "
+                "with (an IsoExec server sends it with every completion)"
+            )
+        try:
+            raw = json.loads(text)
+            if set(raw) != set(SAMPLING_FIELDS):
+                raise ValueError(f"fields {sorted(raw)}, want {sorted(SAMPLING_FIELDS)}")
+            record = cls(float(raw["temperature"]), str(raw["logprobs_mode"]),
+                         int(raw["weights_version"]))  # fmt: skip
+        except (ValueError, TypeError, AttributeError) as e:
+            raise SamplingRecordError(f"malformed {SAMPLING_HEADER} header {text!r}: {e}") from None
+        return record
 
 
 class ServedHandshakeError(ValueError):
@@ -170,8 +215,11 @@ __all__ = [
     "CANARY_ROUTE",
     "FINGERPRINT_HEADER",
     "HANDSHAKE_CONFIG_KEY",
+    "SAMPLING_HEADER",
     "STATUS_ROUTE",
     "WEIGHTS_ROUTE",
+    "SamplingRecord",
+    "SamplingRecordError",
     "ServedHandshake",
     "ServedHandshakeError",
     "WeightPushError",

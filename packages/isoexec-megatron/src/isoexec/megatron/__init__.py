@@ -27,6 +27,7 @@ from isoexec.megatron.model_builder import (
     native_submodules,
 )
 from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
+from isoexec.megatron.score_sampled import score_sampled
 from isoexec.megatron.scoring import (
     is_isoexec,
     policy_logprobs,
@@ -66,6 +67,7 @@ __all__ = [
     "save_hf_checkpoint",
     "save_hf_safetensors",
     "score",
+    "score_sampled",
     "token_logprobs",
     "train_step",
     "trainer_contract",

@@ -15,6 +15,8 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   in a batch with other requests and offers it (`isoexec.vllm.canary`); replies its verdict.
 
 All answer 401 without the token, and 404 on an engine started without handshake settings.
+Every completion response (`SAMPLED`) carries the `SamplingRecord` it was sampled with in
+`SAMPLING_HEADER`, with or without handshake settings.
 
 **The sampling gate.** An engine with handshake settings serves samples only while a canary of
 the weights it holds has MATCHed: not before the first one, not after a push until the next
@@ -34,14 +36,18 @@ from typing import Any
 from isoexec.contract.served import (
     CANARY_ROUTE,
     FINGERPRINT_HEADER,
+    SAMPLING_HEADER,
     STATUS_ROUTE,
     WEIGHTS_ROUTE,
+    SamplingRecord,
     ServedHandshake,
     ServedHandshakeError,
 )
 from isoexec.vllm.served_handshake import served_handshake
 
 ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE)
+# The OpenAI routes whose responses carry the `SamplingRecord` header.
+SAMPLED = ("/v1/completions", "/v1/chat/completions")
 # Paths that compute no sample: served before the canary passes.
 UNGATED = ("/health", "/ping", "/version", "/metrics", "/v1/models", "/tokenize", "/detokenize")
 
@@ -90,6 +96,8 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         return error(500, str(e))
     if path not in ROUTES:
         if token is None or GATE.cleared or path in UNGATED:
+            if path in SAMPLED and request.method == "POST":
+                return await _with_sampling_record(request, call_next)
             return await call_next(request)
         await request.body()
         from fastapi.responses import JSONResponse
@@ -143,6 +151,27 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     GATE.cleared = False
     GATE.reason = f"new weights (version {GATE.weights_version}) have not passed a canary"
     return JSONResponse({"fingerprints": list(got), "weights_version": GATE.weights_version})
+
+
+async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """The response, with what its completions were sampled with in `SAMPLING_HEADER`: the
+    request's temperature, or the server's default (vLLM's rule: the request's value, else the
+    model's generation-config default, else 1.0), the logprobs mode and the weights version."""
+    import json
+
+    model_config = request.app.state.vllm_config.model_config
+    try:
+        body = json.loads(await request.body() or b"{}")
+        temperature = body.get("temperature") if isinstance(body, dict) else None
+    except ValueError:
+        return await call_next(request)  # vLLM answers a malformed body itself
+    if temperature is None:
+        temperature = model_config.get_diff_sampling_param().get("temperature", 1.0)
+    record = SamplingRecord(float(temperature), str(model_config.logprobs_mode),
+                            GATE.weights_version)  # fmt: skip
+    response = await call_next(request)
+    response.headers[SAMPLING_HEADER] = record.to_header()
+    return response
 
 
 async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: str) -> Any:

@@ -1,0 +1,42 @@
+"""Scoring what an engine sampled, with the record of how it was sampled.
+
+`score(model, sequences, temperature)` trusts its caller's temperature; a served engine may
+have applied a default the caller never saw (a checkpoint's generation_config.json). Here the
+temperature comes from the completion's own `SamplingRecord`, and a sequence without one, or
+one sampled in another logprobs mode than the model scores, is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from isoexec.contract.served import SamplingRecord, SamplingRecordError
+from isoexec.megatron.scoring import score
+
+
+def score_sampled(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    record: SamplingRecord | None,
+    **score_kw: Any,
+) -> list[torch.Tensor]:
+    """`score` at the record's temperature; refused without a record, or when the record's
+    logprobs mode is not the one this model scores."""
+    if not isinstance(record, SamplingRecord):
+        raise SamplingRecordError(
+            "refusing to score sequences without the record of what they were sampled with "
+            "(SamplingRecord.from_header(response.headers[SAMPLING_HEADER]))"
+        )
+    mode = getattr(model, "isoexec_logprobs_mode", "processed_logprobs")
+    if record.logprobs_mode != mode:
+        raise SamplingRecordError(
+            f"the sequences were sampled by an engine returning {record.logprobs_mode}, but "
+            f"this model scores {mode}"
+        )
+    return score(model, sequences, temperature=record.temperature, **score_kw)
+
+
+__all__ = ["score_sampled"]
