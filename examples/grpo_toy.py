@@ -4,7 +4,8 @@ Toy task with a verifiable reward: a completion earns the fraction of its tokens
 the "low band" (token id < vocab/8). Each step: the engine (real vLLM, own process) samples G
 completions per prompt; the trainer (real Megatron) computes group-normalised advantages and
 the clipped policy loss with ratios against the engine's logprobs; one optimizer step; the
-weights are exported, fingerprinted and loaded into the engine behind the handshake gate.
+weights are exported, fingerprinted and loaded into the engine behind the handshake gate, and
+both sides' numeric canaries of the new weights must MATCH before the engine samples again.
 
 With IsoExec the ratio before the update is exactly 1.0 for every token; the stock arm logs
 its spread. Run:  python examples/grpo_toy.py [--arm isoexec|stock] [--steps 8]
@@ -16,24 +17,27 @@ import argparse
 import json
 import secrets
 import tempfile
+import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.pair import handshake
 from isoexec.contract.tiny_models import make_tiny_model
 from isoexec.megatron import (
     build_model,
     export_hf_weights,
     load_hf_weights,
     megatron_parallel,
+    offer_contract,
     policy_logprobs,
     save_hf_safetensors,
-    trainer_contract,
 )
+from isoexec.megatron.canary import offer_canary
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
 CLIP = 0.2
@@ -68,16 +72,13 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
             model = build_model(str(model_dir), isoexec=isoexec)
             load_hf_weights(model, str(model_dir))
             opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
-            if isoexec:
-                tv, ev = handshake(
-                    trainer_contract(model, hf, "float32"),
-                    engine,
-                    "grpo",
-                    server=server,
-                    token=token,
-                )
+            if isoexec:  # both sides offer at once: the trainer here, the engine's workers there
+                addr = server.address
+                tv, evs = _both(lambda: offer_contract(model, hf, addr, token, "grpo"),
+                                lambda: engine.call("handshake", addr, token, "grpo"))  # fmt: skip
                 tv.raise_for_mismatch()
-                assert ev["outcome"] == "MATCH", ev
+                assert all(v["outcome"] == "MATCH" for v in evs), evs
+                _canary(model, engine, server.address, token, version=0)
             for step in range(steps):
                 batch = [p for p in base for _ in range(group)]
                 comps = engine.generate(batch, SamplingSpec(max_tokens=8, temperature=1.0))
@@ -111,6 +112,7 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
                 digest = WeightFingerprint.of(export_hf_weights(model)).digest
                 if isoexec:
                     assert engine.call("load_weights", str(path), digest) == [digest]
+                    _canary(model, engine, server.address, token, version=step + 1)
                 else:  # stock vLLM has no gate: restart it on the new checkpoint
                     engine.close()
                     engine = EngineProcess(
@@ -120,6 +122,34 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
             if engine is not None:
                 engine.close()
     return logs
+
+
+def _both(trainer: Callable[[], Any], engine: Callable[[], Any]) -> tuple[Any, Any]:
+    """The trainer's call in a daemon thread while the engine's runs here (an engine error
+    surfaces at once; the trainer's pending offer ends with the service); both results."""
+    got: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            got["ok"] = trainer()
+        except Exception as e:  # re-raised below, in the caller's thread
+            got["error"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    e = engine()
+    t.join()
+    if "error" in got:
+        raise got["error"]
+    return got["ok"], e
+
+
+def _canary(model: Any, engine: Any, address: str, token: str, version: int) -> None:
+    """Both sides score the run's probe under the weights they now hold; refuse on a MISMATCH."""
+    t, e = _both(lambda: offer_canary(model, address, token, "grpo", version),
+                 lambda: engine.call("canary", address, token, "grpo", version))  # fmt: skip
+    if not (t.matched and e["matched"]):
+        raise RuntimeError(f"weights version {version}: {e['summary']}")
 
 
 def _checkpoint(model_dir: Path, weights: Path) -> Path:

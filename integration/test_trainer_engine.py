@@ -190,10 +190,9 @@ def _contracts_then_canaries(
     versions 0..versions-1: (trainer contract verdict, engine's, and the last canary verdicts
     of the trainer and the engine)."""
     import secrets
-    import threading
 
     from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.megatron.canary import offer_canary
+    from isoexec.contract.pair_steps import canaries
 
     token = secrets.token_hex(16)
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
@@ -203,15 +202,7 @@ def _contracts_then_canaries(
         assert t_contract.matched and e_contract["outcome"] == "MATCH", t_contract
         got: dict[str, Any] = {}
         for version in range(versions):
-            t = threading.Thread(
-                target=lambda v=version: got.update(
-                    t=offer_canary(trainer, hs.address, token, run_id, v)
-                ),
-                daemon=True,
-            )
-            t.start()
-            got["e"] = engine.call("canary", hs.address, token, run_id, version)
-            t.join(60)
+            got["t"], got["e"] = canaries(trainer, engine, hs.address, token, run_id, version)
             print(f"canary v{version}: {got['t'].summary}; the engine's batch took "
                   f"{got['e']['engine_scored_s'] * 1e3:.0f} ms")  # fmt: skip
     return t_contract, e_contract, got["t"], got["e"]

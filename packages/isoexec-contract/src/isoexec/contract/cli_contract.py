@@ -1,4 +1,5 @@
-"""`isoexec contract show|hash|diff`: inspect execution contracts from files.
+"""`isoexec contract show|hash|diff|write`: inspect execution contracts from files, and write
+the contract one side would offer for a model (`write`: the side's package does it).
 
 Exit codes: 0 ok / equal, 1 contracts differ (diff), 2 bad input (one-line error on stderr).
 """
@@ -13,7 +14,7 @@ NAME = "contract"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(NAME, help="show, hash and diff execution contracts")
+    p = subparsers.add_parser(NAME, help="show, hash, diff and write execution contracts")
     sub = p.add_subparsers(dest="contract_command", metavar="ACTION", required=True)
     show = sub.add_parser("show", help="print a contract readably")
     show.add_argument("file")
@@ -23,7 +24,39 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     d = sub.add_parser("diff", help="explain how two contracts differ (exit 1 if they do)")
     d.add_argument("a")
     d.add_argument("b")
+    w = sub.add_parser("write", help="write the contract a side offers for a model to a file")
+    w.add_argument("--model", required=True, help="HF checkpoint directory")
+    w.add_argument("--side", required=True, choices=sorted(WRITERS))
+    w.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
+    w.add_argument("--tp-invariant", action="store_true", help="the TP-invariant variant")
+    w.add_argument("--backend", default="torch", help="canonical kernels: torch or triton")
+    w.add_argument("out", help="where to write the contract (JSON)")
     return p
+
+
+# side -> (module whose `write(model_dir, out, dtype, options)` builds that side, its package)
+WRITERS = {
+    "trainer": ("isoexec.megatron.contract_file", "isoexec-megatron"),
+    "engine": ("isoexec.vllm.contract_file", "isoexec-vllm"),
+}
+
+
+def _write(args: argparse.Namespace) -> int:
+    import importlib
+    import importlib.util
+
+    from isoexec.contract.options import IsoExecOptions
+
+    module, dist = WRITERS[args.side]
+    if importlib.util.find_spec(module.rsplit(".", 1)[0]) is None:
+        raise _BadInput(f"the {args.side} side is not installed on this node: pip install {dist}")
+    options = IsoExecOptions(tp_invariant=args.tp_invariant, backend=args.backend)
+    try:
+        contract = importlib.import_module(module).write(args.model, args.out, args.dtype, options)
+    except (OSError, ValueError) as e:
+        raise _BadInput(str(e)) from None
+    print(f"{args.side} contract {contract.hash} written to {args.out}")
+    return 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             raise _BadInput(f"{path}: {e}") from None
 
     try:
+        if args.contract_command == "write":
+            return _write(args)
         if args.contract_command == "hash":
             print(load(args.file).hash)
             return 0

@@ -121,13 +121,14 @@ def run_arm(
         status, hashes, verdict = "n/a (stock arm)", {}, None
         if isoexec:
             contract = trainer_contract(model, hf_config, dtype)
-            trainer_verdict, engine_verdict = handshake(contract, engine)
+            trainer_verdict, engine_verdict = handshake(contract, engine, canary_model=model)
             hashes = {"trainer": contract.hash, "engine": engine_verdict.get("hash")}
             verdict = engine_verdict["outcome"]
             _progress(arm, f"handshake {verdict}")
             trainer_verdict.raise_for_mismatch()
-            if engine_verdict["outcome"] != "MATCH":
-                raise RuntimeError(f"engine got {engine_verdict['outcome']}")
+            if engine_verdict["outcome"] != "MATCH" or not engine_verdict["canary"]["matched"]:
+                raise RuntimeError(f"engine got {engine_verdict.get('canary', verdict)}")
+            _progress(arm, engine_verdict["canary"]["summary"])
             status = f"MATCH {contract.hash[:12]}"
         _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()

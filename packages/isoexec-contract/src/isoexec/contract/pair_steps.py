@@ -86,6 +86,7 @@ def handshake(
     *,
     server: Any = None,
     token: str | None = None,
+    canary_model: Any = None,
 ) -> tuple[Any, dict[str, Any]]:
     """Trainer rank 0 and every engine worker (one per engine TP rank) offer their contracts
     concurrently; the service gives one verdict for the run.
@@ -93,7 +94,9 @@ def handshake(
     With `server`/`token` the caller's running service is used (it must stay up while weights
     are synced: workers ask it before loading); without, a temporary one is hosted here.
     Returns (trainer verdict, engine verdict: the first worker's that is not MATCH, else
-    worker 0's); neither raises on MISMATCH.
+    worker 0's); neither raises on MISMATCH. With `canary_model` (the trainer's model), a MATCH
+    is followed by both sides' canaries (`isoexec.contract.canary`); the engine verdict then
+    holds the engine's canary verdict under "canary".
     """
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.server import HandshakeServer
@@ -102,7 +105,8 @@ def handshake(
         token = secrets.token_hex(16)
         workers = int(getattr(getattr(engine, "config", None), "tensor_parallel_size", 1))
         with HandshakeServer({"trainer": 1, "engine": workers}, token) as own:
-            return handshake(trainer_contract, engine, run_id, server=own, token=token)
+            return handshake(trainer_contract, engine, run_id, server=own, token=token,
+                             canary_model=canary_model)  # fmt: skip
     assert token is not None
     verdicts: dict[str, Any] = {}
 
@@ -117,7 +121,28 @@ def handshake(
     engine_verdicts = engine.call("handshake", server.address, token, run_id)
     t.join()
     failed = [v for v in engine_verdicts if v["outcome"] != "MATCH"]
-    return verdicts["trainer"], (failed or engine_verdicts)[0]
+    engine_verdict = (failed or engine_verdicts)[0]
+    if canary_model is not None and not failed and verdicts["trainer"].matched:
+        _, canary = canaries(canary_model, engine, server.address, token, run_id)
+        engine_verdict = {**engine_verdict, "canary": canary}
+    return verdicts["trainer"], engine_verdict
+
+
+def canaries(model: Any, engine: Any, address: str, token: str, run_id: str, version: int = 0
+             ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+    """Both sides' canaries for weights `version`, offered at once: (the trainer's verdict,
+    the engine's as a dict)."""
+    from isoexec.megatron.canary import offer_canary
+
+    got: dict[str, Any] = {}
+    t = threading.Thread(
+        target=lambda: got.update(t=offer_canary(model, address, token, run_id, version)),
+        daemon=True,
+    )
+    t.start()
+    engine_verdict: dict[str, Any] = engine.call("canary", address, token, run_id, version)
+    t.join()
+    return got.get("t"), engine_verdict
 
 
 __all__ = ["align", "handshake", "make_prompts", "sample", "sample_and_score"]

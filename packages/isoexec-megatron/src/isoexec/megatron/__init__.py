@@ -26,6 +26,7 @@ from isoexec.megatron.model_builder import (
     isoexec_submodules,
     native_submodules,
 )
+from isoexec.megatron.offer import offer_contract
 from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
 from isoexec.megatron.score_sampled import score_sampled
 from isoexec.megatron.scoring import (
@@ -62,6 +63,7 @@ __all__ = [
     "load_hf_weights",
     "megatron_parallel",
     "native_submodules",
+    "offer_contract",
     "policy_logprobs",
     "read_sites",
     "save_hf_checkpoint",

@@ -43,10 +43,7 @@ def score_on_torchrun(
 
 
 def _run(job: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
-
     from isoexec.contract.options import IsoExecOptions
-    from isoexec.megatron.contract_readback import trainer_contract
     from isoexec.megatron.model_builder import build_model
     from isoexec.megatron.parallel import megatron_parallel
     from isoexec.megatron.scoring import score
@@ -63,17 +60,18 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
         load_hf_weights(model, job["model"])
         hs = job.get("handshake")
         if hs:
-            from isoexec.contract.handshake.client import HandshakeClient
-
-            contract = trainer_contract(model, job["model"], job["dtype"])
             from isoexec.contract.handshake.tls import ClientTLS
             from isoexec.contract.handshake.token import read_token_file
+            from isoexec.megatron.offer import offer_contract, trainer_rank
 
             token = read_token_file(hs["token_file"])
             tls = ClientTLS(**hs["tls"]) if hs.get("tls") else None
-            with HandshakeClient(hs["address"], token, tls=tls) as client:
-                v = client.offer(hs["run_id"], "trainer", dist.get_rank(), contract)
-            out["verdict"] = {"outcome": v.outcome, "diff": list(v.diff), "hash": contract.hash}
+            v = offer_contract(model, job["model"], hs["address"], token, hs["run_id"],
+                               dtype=job["dtype"], tls=tls)  # fmt: skip
+            own = [p.contract_hash for p in v.participants
+                   if (p.side, p.rank) == ("trainer", trainer_rank())]  # fmt: skip
+            out["verdict"] = {"outcome": v.outcome, "diff": list(v.diff),
+                              "hash": own[0] if own else v.contract_hash}  # fmt: skip
             if not v.matched:
                 return out  # nothing is scored for a run that did not MATCH
         out["logprobs"] = [
