@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -116,8 +117,10 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     canaries of the loaded weights MATCH. The `openai` client's samples score bitwise.
     Then one train step, and the trainer pushes its HF-named weights with their
     fingerprint to the server (authenticated with the handshake token): a wrong token and a
-    fingerprint that does not match the bytes are refused and load nothing; the real push is
-    loaded by the worker (its fingerprint is the trainer's), sampling waits for the new weights'
+    fingerprint that does not match the bytes are refused and load nothing; the real push,
+    sent while four streaming requests are generating, lets them finish under the old weights
+    (bitwise the checkpoint's trainer, their record says version 0) and is then loaded by the
+    worker (its fingerprint is the trainer's), sampling waits for the new weights'
     canary, and new samples score bitwise against the trained trainer."""
     import openai
 
@@ -125,7 +128,7 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     from isoexec.contract.handshake.client import HandshakeClient
     from isoexec.contract.handshake.server import HandshakeServer
     from isoexec.contract.served import WeightPushError, push_weights, served_status
-    from isoexec.megatron import export_hf_weights, train_step, trainer_contract
+    from isoexec.megatron import export_hf_weights, score_sampled, train_step, trainer_contract
     from isoexec.megatron.canary import canary_with_served_engine
 
     model = model_factory("tiny-dense", "float32")
@@ -166,7 +169,16 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             with pytest.raises(WeightPushError, match=r"HTTP 409: .*corrupted or partial"):
                 push_weights(url, token, weights, fingerprint="0" * 64)
             assert served_status(url, token)[0]["gated_loads"] == 0  # nothing loaded
-            assert push_weights(url, token, weights) == [sent]
+            # A push while requests are generating: they finish under the weights they started
+            # with (their record says version 0), bitwise the checkpoint's trainer.
+            with _streams_in_flight(url, model, prompts[:4]) as streams:
+                assert any(s is None for s in streams)  # still generating when the push lands
+                assert push_weights(url, token, weights) == [sent]
+            old_weights = trainer_factory(model, "float32", isoexec=True)  # the checkpoint's
+            for prompt, (record, ids, lps) in zip(prompts[:4], streams, strict=True):
+                assert record.weights_version == 0 and len(ids) == STREAM_TOKENS, record
+                (lp,) = score_sampled(old_weights, [prompt + ids], record)
+                assert torch.equal(lp[-len(ids) :].float(), torch.tensor(lps)), prompt[:3]
             (status,) = served_status(url, token)
             assert status["gated_loads"] == 1 and status["last_fingerprint"] == sent
             # New weights: sampling waits for their canary (weights version 1).
@@ -180,6 +192,54 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             train, eng = _compare(trainer, _sample(url, model, prompts))
             assert torch.equal(train, eng), (train - eng).abs().max()
     assert "isoexec: engine rank 0: MATCH" in (tmp_path / "server.log").read_text()
+
+
+STREAM_TOKENS = 160  # long enough that the push lands mid-generation (checked)
+
+
+@contextmanager
+def _streams_in_flight(
+    url: str, model: str, prompts: list[list[int]]
+) -> Iterator[list[tuple[Any, list[int], list[float]]]]:
+    """Streaming completions that are generating when the body runs (each has received a
+    token); afterwards, per prompt: (its sampling record, token ids, logprobs)."""
+    import threading
+
+    from openai import OpenAI
+
+    from isoexec.contract.served import SAMPLING_HEADER, SamplingRecord
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    out: list[Any] = [None] * len(prompts)
+    started = [threading.Event() for _ in prompts]
+
+    def one(i: int) -> None:
+        raw = client.completions.with_raw_response.create(
+            model=model, prompt=prompts[i], max_tokens=STREAM_TOKENS, temperature=1.0,
+            logprobs=1, stream=True, extra_body={"return_tokens_as_token_ids": True},
+        )  # fmt: skip
+        record = SamplingRecord.from_header(raw.headers.get(SAMPLING_HEADER))
+        ids: list[int] = []
+        lps: list[float] = []
+        for chunk in raw.parse():
+            for choice in chunk.choices:
+                if choice.logprobs is not None:
+                    ids += [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+                    lps += list(choice.logprobs.token_logprobs)
+            if ids:
+                started[i].set()
+        started[i].set()
+        out[i] = (record, ids, lps)
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for e in started:
+        assert e.wait(120), "a stream produced no token"
+    yield out
+    for t in threads:
+        t.join(120)
+    assert all(o is not None for o in out), out
 
 
 def _wait_cleared(url: str, token: str) -> list[dict[str, Any]]:

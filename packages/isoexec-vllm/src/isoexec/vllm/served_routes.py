@@ -4,9 +4,11 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
 
 - `POST WEIGHTS_ROUTE`: body = safetensors bytes of HF-named tensors, header
   `FINGERPRINT_HEADER` = their fingerprint. The bytes go to a private temporary file on the
-  server's node and every worker loads them with `isoexec_load_weights` (vLLM runs such calls
-  between engine steps): each checks its MATCH and the fingerprint before touching a weight.
-  Then the prefix cache is reset (its KV came from the old weights). Replies
+  server's node and every worker loads them with `isoexec_load_weights`: each checks its MATCH
+  and the fingerprint before touching a weight. Generation is paused first (vLLM's
+  `pause_generation(mode="wait")`): requests in flight finish under the old weights, no request
+  starts until the load is done, so no sequence straddles two versions. Then the prefix cache
+  is reset (its KV came from the old weights). Replies
   `{"fingerprints": [...]}` (per worker, of the weights it then holds); 409 with the workers'
   reason when refused.
 - `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker], "sampling": the
@@ -131,22 +133,35 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     fingerprint = request.headers.get(FINGERPRINT_HEADER, "").strip()
     if not fingerprint:
         return error(400, f"the {FINGERPRINT_HEADER} header (the weights' fingerprint) is missing")
-    with tempfile.TemporaryDirectory(prefix="isoexec-weights-") as tmp:
-        file = Path(tmp) / "weights.safetensors"
-        file.write_bytes(body)
-        try:
-            got = await engine.collective_rpc("isoexec_load_weights", args=(str(file), fingerprint))
-        except Exception as e:  # a worker refused (gate, fingerprint) or failed: nothing loaded
-            lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-            return error(409, lines[-1] if lines else type(e).__name__)
-    # Cached KV was computed with the old weights: a prefix hit would mix them into new
-    # samples. Running requests are reset too (recomputed with the new weights).
-    if not await engine.reset_prefix_cache(reset_running_requests=True):
-        return error(
-            500,
-            "weights loaded, but the prefix cache could not be reset: samples may reuse KV of "
-            "the old weights (retry when the engine is idle)",
-        )
+    # No sequence straddles two weight versions: new requests are refused from here on (503),
+    # the ones in flight finish under the weights they started with (their sampling record
+    # names that version), and nothing is scheduled until the load is done.
+    before = (GATE.cleared, GATE.reason)
+    GATE.cleared, GATE.reason = False, "a weight push is in progress"
+    await engine.pause_generation(mode="wait", clear_cache=True)
+    try:
+        with tempfile.TemporaryDirectory(prefix="isoexec-weights-") as tmp:
+            file = Path(tmp) / "weights.safetensors"
+            file.write_bytes(body)
+            try:
+                got = await engine.collective_rpc(
+                    "isoexec_load_weights", args=(str(file), fingerprint)
+                )
+            except Exception as e:  # a worker refused (gate, fingerprint) or failed: nothing
+                GATE.cleared, GATE.reason = before  # loaded, the old weights serve on
+                lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+                return error(409, lines[-1] if lines else type(e).__name__)
+        # Cached KV was computed with the old weights: a prefix hit would mix them into new
+        # samples.
+        if not await engine.reset_prefix_cache(reset_running_requests=True):
+            GATE.reason = "new weights loaded, but the prefix cache could not be reset"
+            return error(
+                500,
+                "weights loaded, but the prefix cache could not be reset: samples may reuse KV "
+                "of the old weights (retry when the engine is idle)",
+            )
+    finally:
+        await engine.resume_generation()
     GATE.weights_version += 1
     GATE.cleared = False
     GATE.reason = f"new weights (version {GATE.weights_version}) have not passed a canary"
