@@ -19,6 +19,7 @@ from isoexec.contract.ops.gemm import gemm_library
 OPS = {
     "linear",
     "linear_tp",
+    "lora",
     "rms_norm",
     "gated_rms_norm",
     "rope",

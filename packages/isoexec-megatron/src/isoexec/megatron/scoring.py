@@ -325,8 +325,12 @@ def train_step(
     sequences: Sequence[TokenSeq],
     *,
     max_tokens: int | None = None,
+    params: Sequence[torch.nn.Parameter] | None = None,
 ) -> float:
     """One optimizer step on the mean negative logprob over all predicted tokens; returns it.
+
+    `params`: the parameters trained (isoexec models), by default the model's that require
+    grad; an adapter's live outside the model (`isoexec.megatron.lora.TrainerLora.parameters`).
 
     `sequences` is the global batch. isoexec model: packed forwards (micro-batches of <=
     `max_tokens`, the units), each unit's gradient scaled by its share of the tokens, the unit
@@ -348,8 +352,8 @@ def train_step(
     if total == 0:
         raise ValueError("train_step needs at least one sequence of >= 2 tokens")
     iso = is_isoexec(model)
-    if not iso and max_tokens is not None:
-        raise ValueError("max_tokens packs sequences: isoexec models only")
+    if not iso and (max_tokens is not None or params is not None):
+        raise ValueError("max_tokens and params: isoexec models only")
     expert_parallel = (
         parallel and ps.get_expert_model_parallel_world_size() > 1 and _model_is_moe(model)
     )
@@ -365,7 +369,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss_sum = 0.0
     if iso:
-        params = [p for p in model.parameters() if p.requires_grad]
+        if params is None:
+            params = [p for p in model.parameters() if p.requires_grad]
+        params = list(params)
         kept = [ids for ids in all_ids if ids.numel() >= 2]
         packs = _packs([int(i.numel()) for i in kept], max_tokens)
         if expert_parallel:

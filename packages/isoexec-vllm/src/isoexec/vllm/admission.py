@@ -130,10 +130,10 @@ def check_request(params: SamplingParams) -> None:
 
 def refused_engine_settings(vllm_config: Any) -> list[str]:
     """The engine settings that change the bits without the contract recording them."""
+    from isoexec.vllm.lora import refused_lora_settings
+
     model = vllm_config.model_config
-    out = []
-    if vllm_config.lora_config is not None:
-        out.append("LoRA (--enable-lora): adapters do not run the canonical linear yet")
+    out = refused_lora_settings(vllm_config)
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: the verification forward is not canonical yet")
     if model.quantization is not None:

@@ -212,6 +212,43 @@ def _(
     return torch.empty_like(x)
 
 
+@torch.library.custom_op("isoexec::lora_apply_by_slot", mutates_args=())
+def _lora_apply_by_slot(
+    base: Tensor,
+    x: Tensor,
+    slot_of_row: Tensor,
+    a_stacked: list[Tensor],
+    b_stacked: list[Tensor],
+    widths: list[int],
+) -> Tensor:
+    """Rows grouped by adapter slot (data-dependent shapes): opaque, like vLLM's punica ops.
+    The torch backend's op on every backend: LoRA has no Triton twin (`isoexec.vllm.lora`)."""
+    out = ops.lora_apply_by_slot(base, x, slot_of_row, a_stacked, b_stacked, widths)
+    return _own(out, base, x)
+
+
+@_lora_apply_by_slot.register_fake
+def _(
+    base: Tensor,
+    x: Tensor,
+    slot_of_row: Tensor,
+    a_stacked: list[Tensor],
+    b_stacked: list[Tensor],
+    widths: list[int],
+) -> Tensor:
+    return torch.empty_like(base)
+
+
+@torch.library.custom_op("isoexec::lora_expand_by_slot", mutates_args=())
+def _lora_expand_by_slot(base: Tensor, h: Tensor, slot_of_row: Tensor, b_stacked: Tensor) -> Tensor:
+    return _own(ops.lora_expand_by_slot(base, h, slot_of_row, b_stacked), base, h)
+
+
+@_lora_expand_by_slot.register_fake
+def _(base: Tensor, h: Tensor, slot_of_row: Tensor, b_stacked: Tensor) -> Tensor:
+    return torch.empty_like(base)
+
+
 # ---- the namespace sites hold ----------------------------------------------------------------
 class CompiledOps:
     """A backend's canonical ops for engine sites: the calls made inside vLLM's compiled model
@@ -280,6 +317,24 @@ class CompiledOps:
         return torch.ops.isoexec.moe_combine(
             self.backend, x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w
         )
+
+    def lora_apply_by_slot(
+        self,
+        base: Tensor,
+        x: Tensor,
+        slot_of_row: Tensor,
+        a_stacked: list[Tensor],
+        b_stacked: list[Tensor],
+        widths: list[int],
+    ) -> Tensor:
+        return torch.ops.isoexec.lora_apply_by_slot(
+            base, x, slot_of_row, a_stacked, b_stacked, widths
+        )
+
+    def lora_expand_by_slot(
+        self, base: Tensor, h: Tensor, slot_of_row: Tensor, b_stacked: Tensor
+    ) -> Tensor:
+        return torch.ops.isoexec.lora_expand_by_slot(base, h, slot_of_row, b_stacked)
 
 
 __all__ = ["CompiledOps"]

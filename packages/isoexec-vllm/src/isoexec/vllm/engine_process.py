@@ -65,6 +65,18 @@ class EngineConfig:
     # vLLM's default mode, compiled (torch.compile of the model; CUDA graphs on GPU), as users
     # run it; the canonical ops are opaque to the compiler (`compiled_ops`). True: eager.
     enforce_eager: bool = False
+    # LoRA (vLLM's `enable_lora`): None off, else (max_lora_rank, max_loras). The rank is the
+    # padded rank of the canonical LoRA op, which the contract records.
+    lora: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class LoraAdapter:
+    """An adapter a request runs under: vLLM's `LoRARequest(name, int_id, path)`."""
+
+    name: str
+    int_id: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,7 @@ class SamplingSpec:
     # Further `SamplingParams` fields, as (name, value) pairs (hashable), e.g. a logit bias:
     # how a test asks for a setting the admission check must refuse.
     extra: tuple[tuple[str, Any], ...] = ()
+    lora: LoraAdapter | None = None
 
 
 @dataclass(frozen=True)
@@ -262,6 +275,14 @@ def _serve(config: EngineConfig, conn: Connection) -> None:
             conn.send((False, traceback.format_exc()))
 
 
+def _lora_request(adapter: LoraAdapter | None) -> Any:
+    if adapter is None:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.int_id, adapter.path)
+
+
 class _Handler:
     """Engine-side request handlers. Runs only inside the child."""
 
@@ -298,6 +319,9 @@ class _Handler:
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
             kwargs["enable_chunked_prefill"] = True
+        if config.lora is not None:
+            kwargs["enable_lora"] = True
+            kwargs["max_lora_rank"], kwargs["max_loras"] = config.lora
         self.llm = LLM(**kwargs)
         self.started = time.time()
 
@@ -321,8 +345,12 @@ class _Handler:
             )
             for s in specs
         ]
+        loras = [_lora_request(s.lora) for s in specs]
         outs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in prompts],
+            params,
+            use_tqdm=False,
+            lora_request=loras if any(loras) else None,
         )
         result = []
         for prompt, out in zip(prompts, outs, strict=True):

@@ -21,7 +21,9 @@ def install_plugin() -> None:
     from isoexec.vllm.cuda_attention import register_cuda_attention
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
+    from isoexec.vllm.lora import PUNICA_WRAPPER
     from isoexec.vllm.moe import register_moe
+    from isoexec.vllm.patches import select_punica_wrapper
     from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.sampler import install_sampler
     from isoexec.vllm.weight_gate import refuse_ungated_transfer_backends, register_gated_models
@@ -34,6 +36,7 @@ def install_plugin() -> None:
     register_cuda_attention()  # CUDA: every decoder backend vLLM may pick, and CUSTOM
     register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
     install_sampler()
+    select_punica_wrapper(PUNICA_WRAPPER)  # LoRA adapters run the canonical LoRA op
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
     refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
     _INSTALLED = True

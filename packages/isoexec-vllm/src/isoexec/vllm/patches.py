@@ -13,6 +13,9 @@ else enters through vLLM's own extension points: `CustomOp` / `PluggableLayer.re
   `vllm.model_executor.models.config.MODELS_CONFIG_MAP`; the table has no registration
   function. Served text only, a Qwen3.5 vision-language architecture needs the hook of its
   causal-LM sibling, which drops the M-RoPE fields so the runner passes 1-D positions.
+- `select_punica_wrapper`: vLLM's LoRA layers get their punica wrapper (the adapter maths)
+  from `current_platform.get_punica_wrapper()`, a per-platform constant with no registration;
+  the running platform's method is made to name IsoExec's (`lora.IsoPunicaWrapper`).
 - IsoExec's linear layers override `CustomOp.dispatch_forward` (`layers.py`) to bind the
   engine's backend when vLLM constructs the layer: a method vLLM calls, not a public hook.
 """
@@ -55,6 +58,19 @@ def rebind_qwen3_next_attention(attention_cls: type) -> None:
     _rebind(qwen3_next, "Qwen3NextAttention", attention_cls)
 
 
+def select_punica_wrapper(qualname: str) -> None:
+    """Make vLLM's LoRA layers build the punica wrapper `qualname` (before the LoRA manager)."""
+    from vllm.platforms import current_platform
+
+    platform = type(current_platform)
+    if not hasattr(platform, "get_punica_wrapper"):
+        raise VllmVersionError(
+            f"{platform.__name__}.get_punica_wrapper is gone (written for vLLM "
+            f"{WRITTEN_FOR_VLLM}): IsoExec cannot install its LoRA op"
+        )
+    platform.get_punica_wrapper = classmethod(lambda cls: qualname)  # type: ignore[method-assign]
+
+
 def text_only_config_hook(arch: str) -> None:
     """Give `arch` its causal-LM sibling's config hook (a no-op for a causal-LM name)."""
     sibling = _TEXT_ONLY_HOOK_OF.get(arch)
@@ -75,5 +91,6 @@ __all__ = [
     "VllmVersionError",
     "rebind_qwen3_next_attention",
     "rebind_sampler",
+    "select_punica_wrapper",
     "text_only_config_hook",
 ]

@@ -19,7 +19,19 @@ from types import MappingProxyType, ModuleType
 import torch
 
 from ..impl import ImplInfo, code_closure, source_fingerprint
-from . import _pointwise, activation, attention, cpu_kernels, gdn, gemm, logprobs, moe, norm, rope
+from . import (
+    _pointwise,
+    activation,
+    attention,
+    cpu_kernels,
+    gdn,
+    gemm,
+    logprobs,
+    lora,
+    moe,
+    norm,
+    rope,
+)
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .gdn import gdn_conv, gdn_recurrence, gdn_recurrence_in_place, gdn_sequence
@@ -37,6 +49,14 @@ from .logprobs import (
     token_logprobs,
     token_logprobs_vocab_parallel,
     vocab_leaf_stats,
+)
+from .lora import (
+    fold_scaling,
+    lora_apply,
+    lora_apply_by_slot,
+    lora_delta,
+    lora_expand_by_slot,
+    pad_rank,
 )
 from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
 from .norm import gated_rms_norm, rms_norm
@@ -66,6 +86,26 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             gemm._tree_sum_round,
             gemm.tp_leaf_partials,
             gemm.tp_tree_sum,
+            gemm._block_gemm,
+        ),
+    ),
+    "lora": (
+        "isoexec.lora.padded_rowblock",
+        1,
+        {
+            "rank": 16,
+            "block_rows": gemm.DEFAULT_BLOCK_ROWS,
+            "scaling": "folded-into-b",
+            "zero_b": "skipped",
+            "add": "base-plus-delta",
+        },
+        (
+            lora.lora_apply_by_slot,
+            lora.lora_expand_by_slot,
+            lora.lora_apply,
+            lora.lora_delta,
+            lora.fold_scaling,
+            lora.pad_rank,
             gemm._block_gemm,
         ),
     ),
@@ -289,6 +329,7 @@ __all__ = [
     "backend_ops",
     "combine_leaf_stats",
     "depends_on_placement",
+    "fold_scaling",
     "gated_rms_norm",
     "gather_paged_kv",
     "gdn_conv",
@@ -301,10 +342,15 @@ __all__ = [
     "linear_tp_invariant",
     "linear_tp_shard",
     "log_softmax",
+    "lora_apply",
+    "lora_apply_by_slot",
+    "lora_delta",
+    "lora_expand_by_slot",
     "moe_combine",
     "moe_experts",
     "moe_router",
     "moe_weighted_sum",
+    "pad_rank",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",

@@ -1,0 +1,189 @@
+"""LoRA, bitwise: vLLM serving adapters (co-batched, through its own LoRA layers and IsoExec's
+canonical LoRA op) against the Megatron trainer with the same adapters attached.
+
+One batch mixes rows under two adapters of different ranks and target sets with rows under no
+adapter; the trainer scores each group with its adapter (or none). Then the trainer takes a
+step on the adapter, saves it, the engine loads it under a new id, and the bits agree again.
+Negative controls: stock vLLM's LoRA against the trainer differs; the adapter changes the
+logprobs (so equality is not the base model's); a deliberately changed LoRA site is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from isoexec.contract.pair import make_prompts
+from isoexec.contract.tiny_lora import make_tiny_lora
+from isoexec.megatron import score
+from isoexec.megatron.lora import attach_lora
+from isoexec.vllm.engine_process import LoraAdapter, SamplingSpec
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+RANK = 16  # the engine's max_lora_rank: the padded rank of the canonical op
+MAX_LORAS = 2
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], dict[str, Path]]:
+    """model_dir -> two adapters: rank 8 on q/v (PEFT's default targets) and rank 4 on all."""
+    made: dict[str, dict[str, Path]] = {}
+
+    def get(model_dir: str) -> dict[str, Path]:
+        if model_dir not in made:
+            root = tmp_path_factory.mktemp("lora")
+            made[model_dir] = {
+                "qv": make_tiny_lora(model_dir, root / "qv", rank=8, alpha=16, seed=1),
+                "all": make_tiny_lora(
+                    model_dir, root / "all", rank=4, alpha=8, seed=2, targets=ALL
+                ),
+            }
+        return made[model_dir]
+
+    return get
+
+
+def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, isoexec: bool) -> Any:
+    return engine_pool(model=model, dtype=dtype, isoexec=isoexec, lora=(RANK, MAX_LORAS))
+
+
+def _mixed(ads: dict[str, Path]) -> list[LoraAdapter | None]:
+    qv = LoraAdapter("qv", 1, str(ads["qv"]))
+    every = LoraAdapter("all", 2, str(ads["all"]))
+    return [qv, None, every, qv, every, None]
+
+
+def _sample(engine: Any, vocab: int, loras: list[LoraAdapter | None]) -> list[Any]:
+    prompts = make_prompts(len(loras), vocab, seed=11)
+    engine.call("reset_prefix_cache")
+    # a seed per request: its tokens do not depend on which requests share the batch
+    specs = [
+        SamplingSpec(max_tokens=6, lora=a, extra=(("seed", 100 + i),)) for i, a in enumerate(loras)
+    ]
+    return engine.generate(prompts, specs)
+
+
+def _score_under(
+    model: Any, completions: list[Any], loras: list[LoraAdapter | None]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(trainer, engine) logprobs of every sampled token, each row scored under its adapter."""
+    train = [torch.empty(0)] * len(completions)
+    for path in {a.path if a else None for a in loras}:
+        rows = [i for i, a in enumerate(loras) if (a.path if a else None) == path]
+        seqs = [completions[i].prompt_token_ids + completions[i].token_ids for i in rows]
+        lora = attach_lora(model, path, rank=RANK) if path else None
+        try:
+            for i, lp in zip(rows, score(model, seqs), strict=True):
+                train[i] = lp[-len(completions[i].token_ids) :].float()
+        finally:
+            if lora is not None:
+                lora.detach()
+    eng = [torch.tensor(c.logprobs, dtype=torch.float32) for c in completions]
+    return torch.cat(train), torch.cat(eng)
+
+
+def _vocab(model_dir: str) -> int:
+    return int(json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"])
+
+
+@pytest.fixture
+def base_trainer(trainer_factory: Callable[..., Any]) -> Iterator[Callable[[str, str], Any]]:
+    """A fresh trainer per test: attaching an adapter freezes the base's parameters."""
+    yield lambda model_dir, dtype: trainer_factory(model_dir, dtype, fresh=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_co_batched_adapters_equal_the_trainer_bitwise(
+    dtype: str,
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    model_dir = model_factory("tiny-dense", dtype)
+    engine = _engine(engine_pool, model_dir, dtype, True)
+    loras = _mixed(adapters(model_dir))
+    completions = _sample(engine, _vocab(model_dir), loras)
+    model = base_trainer(model_dir, dtype)
+    train, eng = _score_under(model, completions, loras)
+    assert train.numel() == 6 * len(loras)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+
+    # Not the base model's bits: without its adapter, an adapter row scores differently.
+    base_only = _score_under(model, completions, [None] * len(loras))[0]
+    adapted = torch.tensor([a is not None for a in loras]).repeat_interleave(6)
+    assert not torch.equal(base_only[adapted], train[adapted])
+    assert torch.equal(base_only[~adapted], train[~adapted])
+
+    # A row's bits do not depend on its batch: each adapter row alone gives the same.
+    alone = _sample(engine, _vocab(model_dir), [loras[0]])
+    assert alone[0].token_ids == completions[0].token_ids
+    assert alone[0].logprobs == completions[0].logprobs
+
+
+def test_negative_control_stock_vllm_lora_differs(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """Stock vLLM's LoRA (its punica kernels) against the IsoExec trainer: not bitwise."""
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = _engine(engine_pool, model_dir, "float32", False)
+    loras = _mixed(adapters(model_dir))
+    completions = _sample(engine, _vocab(model_dir), loras)
+    train, eng = _score_under(base_trainer(model_dir, "float32"), completions, loras)
+    adapted = torch.tensor([a is not None for a in loras]).repeat_interleave(6)
+    mismatches = int((train[adapted] != eng[adapted]).sum())
+    base_rows = float((train[~adapted] - eng[~adapted]).abs().max())
+    print(
+        f"stock vLLM LoRA: {mismatches}/{int(adapted.sum())} adapter tokens differ; rows with no "
+        f"adapter differ from the base model by up to {base_rows:.3g}"
+    )
+    assert mismatches > 0
+
+
+def test_train_step_then_adapter_sync_stays_bitwise(
+    tmp_path: Path,
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """The trainer trains the adapter (base frozen), saves it, the engine loads it under a new
+    id: the new adapter's samples score bitwise again, and they are not the old adapter's."""
+    from isoexec.megatron import train_step
+
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    model = base_trainer(model_dir, "float32")
+    before = {k: p.detach().clone() for k, p in model.named_parameters()}
+    start = LoraAdapter("qv", 1, str(adapters(model_dir)["qv"]))
+    completions = _sample(engine, _vocab(model_dir), [start] * 4)
+
+    lora = attach_lora(model, start.path, rank=RANK)
+    try:
+        opt = torch.optim.SGD(list(lora.parameters()), lr=0.5)
+        old = {k: p.detach().clone() for k, p in lora.state_dict().items()}
+        seqs = [c.prompt_token_ids + c.token_ids for c in completions]
+        train_step(model, opt, seqs, params=list(lora.parameters()))
+        assert any(not torch.equal(old[k], v) for k, v in lora.state_dict().items())
+        trained = lora.save(tmp_path / "step1")
+    finally:
+        lora.detach()
+    assert all(torch.equal(before[k], p) for k, p in model.named_parameters())  # base frozen
+
+    step1 = LoraAdapter("qv-step1", 3, str(trained))
+    loras: list[LoraAdapter | None] = [step1, None, step1, start]
+    completions = _sample(engine, _vocab(model_dir), loras)
+    train, eng = _score_under(model, completions, loras)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+    old_scores = _score_under(model, completions, [start, None, start, start])[0]
+    assert not torch.equal(old_scores[:6], train[:6])  # the step changed the adapter's bits
