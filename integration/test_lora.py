@@ -187,3 +187,39 @@ def test_train_step_then_adapter_sync_stays_bitwise(
     assert torch.equal(train, eng), (train - eng).abs().max()
     old_scores = _score_under(model, completions, [start, None, start, start])[0]
     assert not torch.equal(old_scores[:6], train[:6])  # the step changed the adapter's bits
+
+
+def test_contracts_declare_lora_sites_and_refuse_another_rank(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """Both sides declare a `.lora` site on every adapter-capable linear, with the canonical op
+    at the padded rank: a trainer padding to another rank, or with no adapter attached, does
+    not MATCH the LoRA engine, and the diff names the LoRA sites."""
+    from isoexec.contract.contract import Contract
+    from isoexec.contract.diff import diff
+    from isoexec.megatron import trainer_contract
+
+    model_dir = model_factory("tiny-dense", "float32")
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    engine_contract = Contract.from_bytes(engine.call("contract"))
+    lora_sites = [s for s in engine_contract.site_names if s.endswith(".lora")]
+    assert len(lora_sites) == 4 * int(hf["num_hidden_layers"])  # qkv, o, gate_up, down
+    assert {engine_contract.site(s).impl.param_dict()["rank"] for s in lora_sites} == {str(RANK)}
+
+    model = base_trainer(model_dir, "float32")
+    assert not diff(trainer_contract(model, hf), engine_contract).equal  # no adapter attached
+    lora = attach_lora(model, adapters(model_dir)["qv"], rank=RANK)
+    try:
+        assert trainer_contract(model, hf) == engine_contract
+    finally:
+        lora.detach()
+    lora = attach_lora(model, adapters(model_dir)["qv"], rank=RANK // 2)  # the changed site
+    try:
+        changed = diff(trainer_contract(model, hf), engine_contract)
+    finally:
+        lora.detach()
+    assert set(changed.differing_sites) == set(lora_sites), changed

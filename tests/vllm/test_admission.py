@@ -100,7 +100,7 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
     assert admission.has_admission(clean)
     admission.IsoAdmission(clean, None, False)  # type: ignore[arg-type]
     cases = {
-        "LoRA": dict(enable_lora=True),
+        "fully_sharded_loras": dict(enable_lora=True, fully_sharded_loras=True),
         "kv_cache_dtype": dict(kv_cache_dtype="fp8"),
         "logits_processors": dict(logits_processors=[admission.ADMISSION, "m:Other"]),
     }
@@ -138,7 +138,8 @@ def test_hf_overrides_are_recorded_in_the_effective_config(dense_dir: str) -> No
 @pytest.mark.parametrize(
     "args",
     [
-        ["--enable-lora", "--lora-modules", "a=/adapter"],
+        ["--lora-modules", "a=/adapter", "--enable-lora"],
+        ["--fully-sharded-loras", "--enable-lora"],
         ["--quantization", "fp8"],
         ["--kv-cache-dtype=fp8"],
         ["--speculative-config", "{}"],
@@ -160,7 +161,8 @@ def test_the_launcher_passes_allowed_flags_and_owns_admission() -> None:
     from isoexec.vllm.serve import server_command
     from isoexec.vllm.serve_flags import flag_name
 
-    args = ["--port", "1", "--max_num_seqs=4", "--hf-overrides", '{"a": 1}', "-tp", "2"]
+    args = ["--port", "1", "--max_num_seqs=4", "--hf-overrides", '{"a": 1}', "-tp", "2",
+            "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]  # fmt: skip
     argv, _ = server_command("/m", args)
     assert argv[argv.index("--logits-processors") + 1] == admission.ADMISSION
     assert argv[argv.index("--generation-config") + 1] == "vllm"

@@ -193,6 +193,9 @@ def trainer_contract(
     """
     cfg = _read_source(hf_config)
     sites = read_sites(model, cfg)
+    lora = getattr(model, "isoexec_lora", None)  # an attached adapter (`isoexec.megatron.lora`)
+    if lora is not None:
+        sites.update(lora.contract_sites())
     # Parameters the engine also holds in fp32 whatever the model dtype (GDN's A_log) do not
     # decide the model dtype.
     param_dtypes = {

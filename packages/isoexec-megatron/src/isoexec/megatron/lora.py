@@ -44,6 +44,15 @@ _PARENT = {t: ("self_attn" if path.startswith("self_attention") else "mlp")
            for t, (path, _) in _TARGETS.items()}  # fmt: skip
 
 
+# Megatron linear -> the framework-neutral site whose adapter path the contract declares
+_CONTRACT_SITE = {
+    "self_attention.linear_qkv": "self_attn.qkv_proj",
+    "self_attention.linear_proj": "self_attn.o_proj",
+    "mlp.linear_fc1": "mlp.gate_up_proj",
+    "mlp.linear_fc2": "mlp.down_proj",
+}
+
+
 class LoraAdapterError(ValueError):
     """An adapter the trainer cannot apply canonically, or a malformed adapter directory."""
 
@@ -168,6 +177,23 @@ class TrainerLora:
         for site in self.sites.values():
             site.handle.remove()
         self.sites.clear()
+        if getattr(self.model, "isoexec_lora", None) is self:
+            del self.model.isoexec_lora
+
+    def contract_sites(self) -> dict[str, ImplInfo]:
+        """The contract's LoRA sites: `layers.{i}.<linear>.lora` for every linear this trainer
+        can put an adapter on (the engine declares every linear vLLM wrapped), all running
+        the canonical op at the padded rank."""
+        out: dict[str, ImplInfo] = {}
+        for name, module in self.model.named_modules():
+            parts = name.split(".")
+            if parts[:2] != ["decoder", "layers"] or len(parts) != 5:
+                continue
+            site = _CONTRACT_SITE.get(".".join(parts[3:]))
+            if site is not None and hasattr(module, "isoexec_impl"):
+                impl = site_impl(module.config, "lora", rank=self.rank)
+                out[f"layers.{parts[2]}.{site}.lora"] = impl
+        return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors under PEFT's names (detached copies)."""
@@ -208,6 +234,8 @@ def attach_lora(
 
     if not is_isoexec(model):
         raise LoraAdapterError("attach_lora: the model has no canonical sites (IsoExec off)")
+    if getattr(model, "isoexec_lora", None) is not None:
+        raise LoraAdapterError("attach_lora: an adapter is attached already (detach it first)")
     config = AdapterConfig.read(adapter_dir)
     tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
     modules = dict(model.named_modules())
@@ -245,13 +273,8 @@ def attach_lora(
         raise LoraAdapterError(f"adapter tensors the trainer would not apply: {extra[:4]}")
     if not lora.sites:
         raise LoraAdapterError(f"{adapter_dir}: the adapter has no tensors for this model")
+    model.isoexec_lora = lora  # what `trainer_contract` declares
     return lora
 
 
-def lora_site_impl(model: torch.nn.Module, rank: int) -> ImplInfo:
-    """The `lora` ImplInfo for this model's device and dtype (a helper for the contract)."""
-    linear = next(m for m in model.modules() if hasattr(m, "isoexec_impl"))
-    return site_impl(linear.config, "lora", rank=rank)
-
-
-__all__ = ["AdapterConfig", "LoraAdapterError", "TrainerLora", "attach_lora", "lora_site_impl"]
+__all__ = ["AdapterConfig", "LoraAdapterError", "TrainerLora", "attach_lora"]

@@ -17,7 +17,7 @@ from isoexec.contract.contract import Contract
 from isoexec.contract.model_contract import contract_for
 from isoexec.vllm.admission import ADMISSION, has_admission
 from isoexec.vllm.install import is_installed
-from isoexec.vllm.readback import read_sites
+from isoexec.vllm.readback import lora_sites, read_sites
 
 
 class EngineSettingsError(RuntimeError):
@@ -75,6 +75,19 @@ def effective_config(vllm_config: Any) -> dict[str, Any]:
     return cfg
 
 
+def _lora_impl(vllm_config: Any) -> Any:
+    """The LoRA sites' ImplInfo: the canonical op at the engine's padded rank (its
+    `max_lora_rank`), its GEMMs on the library for the engine's device and dtype."""
+    from isoexec.contract.ops import get_impl
+
+    return get_impl(
+        "lora",
+        device=vllm_config.device_config.device_type,
+        dtype=vllm_config.model_config.dtype,
+        rank=int(vllm_config.lora_config.max_lora_rank),
+    )
+
+
 def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> Contract:
     """The contract of the model and sampler this worker runs, at its parallel degrees."""
     from vllm.distributed import get_tensor_model_parallel_world_size
@@ -87,6 +100,8 @@ def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> C
         )
     hf = effective_config(vllm_config)
     sites = read_sites(model, sampler, hf)
+    if vllm_config.lora_config is not None:
+        sites.update(lora_sites(model, _lora_impl(vllm_config)))
     dtype = str(vllm_config.model_config.dtype).removeprefix("torch.")
     # The TP degree this worker runs at: a site that does not claim TP invariance (a
     # row-parallel site reduced by vLLM's all-reduce) records it, so it never MATCHes a peer

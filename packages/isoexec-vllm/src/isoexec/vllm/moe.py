@@ -41,6 +41,9 @@ class IsoUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
     isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from isoexec.vllm.lora import refuse_lora_on_experts
+
+        refuse_lora_on_experts()  # before vLLM's LoRA manager wraps this layer
         super().__init__(*args, **kwargs)
         self.isoexec_impl = engine_impl("moe_combine")
 

@@ -52,10 +52,44 @@ def _module_path(site: str) -> str:
 
 
 def _impl_of(obj: Any, op: str) -> ImplInfo:
-    """The ImplInfo an object declares for `op`, looking where vLLM keeps the maths."""
+    """The ImplInfo an object declares for `op`, looking where vLLM keeps the maths (a LoRA
+    layer runs its base layer's; the adapter path is its own site, `lora_sites`)."""
+    obj = getattr(obj, "base_layer", obj) if _is_lora_layer(obj) else obj
     quant, impl = getattr(obj, "quant_method", None), getattr(obj, "impl", None)
     inner = impl or quant or obj
     return installed_impl(op, obj, quant, impl, native_class=type(inner).__name__)
+
+
+def _is_lora_layer(obj: Any) -> bool:
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    return isinstance(obj, BaseLayerWithLoRA)
+
+
+# LoRA-wrapped vLLM modules whose adapter path a contract declares (the embedding and the lm
+# head are wrapped too, but no trainer adapter reaches them: adapters targeting them are refused)
+_LORA_SITE_OF = {
+    "self_attn.qkv_proj": "self_attn.qkv_proj",
+    "self_attn.o_proj": "self_attn.o_proj",
+    "mlp.gate_up_proj": "mlp.gate_up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+}
+LORA_SITE_SUFFIX = ".lora"
+
+
+def lora_sites(model: torch.nn.Module, impl: ImplInfo) -> dict[str, ImplInfo]:
+    """`layers.{i}.<linear>.lora` -> `impl` for every linear vLLM wrapped with LoRA layers."""
+    from isoexec.vllm.lora import check_lora_layers
+
+    out: dict[str, ImplInfo] = {}
+    for name in check_lora_layers(model):
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or len(parts) < 5:
+            continue
+        rest = ".".join(parts[3:])
+        if rest in _LORA_SITE_OF:
+            out[f"layers.{parts[2]}.{_LORA_SITE_OF[rest]}{LORA_SITE_SUFFIX}"] = impl
+    return out
 
 
 def read_sites(

@@ -48,12 +48,18 @@ ALLOWED_FLAGS: Mapping[str, str] = {
     "--enforce-eager": "compiled and eager engines give the same bits (tested)",
     "--tensor-parallel-size": "recorded in the contract's parallel layout",
     "-tp": "recorded in the contract's parallel layout",
+    "--enable-lora": "adapters run the canonical LoRA op; the contract declares the LoRA sites",
+    "--max-lora-rank": "recorded: the canonical LoRA op's padded rank",
+    "--max-loras": "adapter slots: a row's bits depend on its own adapter only",
+    "--max-cpu-loras": "an adapter cache size",
 }
 
 # Refused flags whose reason is worth more than "not on the allow-list".
 REFUSAL_REASONS: Mapping[str, str] = {
-    "--enable-lora": "LoRA adapters do not run the canonical linear yet",
-    "--lora-modules": "LoRA adapters do not run the canonical linear yet",
+    "--lora-modules": "adapters loaded at start-up pass no fingerprint check: load them through "
+    "the gate after MATCH",
+    "--fully-sharded-loras": "the adapter GEMMs would be split over TP ranks",
+    "--lora-dtype": "adapters run in the model's dtype",
     "--speculative-config": "the verification forward is not canonical yet",
     "--quantization": "the canonical ops run unquantized",
     "-q": "the canonical ops run unquantized",
