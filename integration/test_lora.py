@@ -10,7 +10,9 @@ logprobs (so equality is not the base model's); a deliberately changed LoRA site
 
 from __future__ import annotations
 
+import contextlib
 import json
+import secrets
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,10 @@ from typing import Any
 import pytest
 import torch
 
-from isoexec.contract.pair import make_prompts
+from isoexec.contract.handshake.server import HandshakeServer
+from isoexec.contract.pair import handshake, make_prompts
 from isoexec.contract.tiny_lora import make_tiny_lora
-from isoexec.megatron import score
+from isoexec.megatron import score, trainer_contract
 from isoexec.megatron.lora import attach_lora
 from isoexec.vllm.engine_process import LoraAdapter, SamplingSpec
 
@@ -58,6 +61,37 @@ def _mixed(ads: dict[str, Path]) -> list[LoraAdapter | None]:
     qv = LoraAdapter("qv", 1, str(ads["qv"]))
     every = LoraAdapter("all", 2, str(ads["all"]))
     return [qv, None, every, qv, every, None]
+
+
+def _fingerprint(model: Any, adapter: LoraAdapter) -> str:
+    lora = attach_lora(model, adapter.path, rank=RANK)
+    try:
+        return lora.fingerprint()
+    finally:
+        lora.detach()
+
+
+def _add(engine: Any, model: Any, loras: list[LoraAdapter | None]) -> None:
+    """Load each adapter through the gate: announced with the trainer's fingerprint."""
+    for a in {a for a in loras if a is not None}:
+        engine.call("add_lora", a, _fingerprint(model, a) if engine.config.isoexec else None)
+
+
+@contextlib.contextmanager
+def _matched(engine: Any, model: Any, model_dir: str, adapter: LoraAdapter) -> Iterator[None]:
+    """Trainer (with an adapter attached) and engine MATCH; the service stays up meanwhile,
+    as adapter loads ask it."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    token = secrets.token_hex(16)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
+        lora = attach_lora(model, adapter.path, rank=RANK)
+        try:
+            contract = trainer_contract(model, hf)
+        finally:
+            lora.detach()
+        tv, ev = handshake(contract, engine, "lora", server=server, token=token)
+        assert tv.matched and ev["outcome"] == "MATCH", ev
+        yield
 
 
 def _sample(engine: Any, vocab: int, loras: list[LoraAdapter | None]) -> list[Any]:
@@ -110,8 +144,10 @@ def test_co_batched_adapters_equal_the_trainer_bitwise(
     model_dir = model_factory("tiny-dense", dtype)
     engine = _engine(engine_pool, model_dir, dtype, True)
     loras = _mixed(adapters(model_dir))
-    completions = _sample(engine, _vocab(model_dir), loras)
     model = base_trainer(model_dir, dtype)
+    with _matched(engine, model, model_dir, loras[0]):  # type: ignore[arg-type]
+        _add(engine, model, loras)
+    completions = _sample(engine, _vocab(model_dir), loras)
     train, eng = _score_under(model, completions, loras)
     assert train.numel() == 6 * len(loras)
     assert torch.equal(train, eng), (train - eng).abs().max()
@@ -138,8 +174,10 @@ def test_negative_control_stock_vllm_lora_differs(
     model_dir = model_factory("tiny-dense", "float32")
     engine = _engine(engine_pool, model_dir, "float32", False)
     loras = _mixed(adapters(model_dir))
+    model = base_trainer(model_dir, "float32")
+    _add(engine, model, loras)
     completions = _sample(engine, _vocab(model_dir), loras)
-    train, eng = _score_under(base_trainer(model_dir, "float32"), completions, loras)
+    train, eng = _score_under(model, completions, loras)
     adapted = torch.tensor([a is not None for a in loras]).repeat_interleave(6)
     mismatches = int((train[adapted] != eng[adapted]).sum())
     base_rows = float((train[~adapted] - eng[~adapted]).abs().max())
@@ -166,6 +204,8 @@ def test_train_step_then_adapter_sync_stays_bitwise(
     model = base_trainer(model_dir, "float32")
     before = {k: p.detach().clone() for k, p in model.named_parameters()}
     start = LoraAdapter("qv", 1, str(adapters(model_dir)["qv"]))
+    with _matched(engine, model, model_dir, start):
+        _add(engine, model, [start])
     completions = _sample(engine, _vocab(model_dir), [start] * 4)
 
     lora = attach_lora(model, start.path, rank=RANK)
@@ -182,6 +222,8 @@ def test_train_step_then_adapter_sync_stays_bitwise(
 
     step1 = LoraAdapter("qv-step1", 3, str(trained))
     loras: list[LoraAdapter | None] = [step1, None, step1, start]
+    with _matched(engine, model, model_dir, start):  # the adapter sync goes through the gate
+        _add(engine, model, [step1])
     completions = _sample(engine, _vocab(model_dir), loras)
     train, eng = _score_under(model, completions, loras)
     assert torch.equal(train, eng), (train - eng).abs().max()
@@ -223,3 +265,43 @@ def test_contracts_declare_lora_sites_and_refuse_another_rank(
     finally:
         lora.detach()
     assert set(changed.differing_sites) == set(lora_sites), changed
+
+
+def test_adapter_loads_pass_the_gate_only_announced_after_match(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """Without MATCH, unannounced, or with other tensors than the trainer's: refused, nothing
+    loaded, and the engine keeps serving (the refusal is the caller's error alone)."""
+    from isoexec.vllm.engine_process import EngineError
+
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    model = base_trainer(model_dir, "float32")
+    ads = adapters(model_dir)
+    qv = LoraAdapter("gate-qv", 11, str(ads["qv"]))
+    every = LoraAdapter("gate-all", 12, str(ads["all"]))
+    with pytest.raises(EngineError, match="MATCH"):  # no service holds a MATCH for it
+        engine.call("add_lora", qv, _fingerprint(model, qv))
+    with _matched(engine, model, model_dir, qv):
+        with pytest.raises(EngineError, match="not announced"):
+            engine.call("collective_rpc", "add_lora", (_lora_request(every),))
+        # announced as the q/v adapter, but the files are the other adapter's
+        forged = LoraAdapter("gate-qv", 11, str(ads["all"]))
+        with pytest.raises(EngineError, match="hash to"):
+            engine.call("add_lora", forged, _fingerprint(model, qv))
+        assert engine.call("add_lora", qv, _fingerprint(model, qv))  # the real one loads
+    # a request naming an adapter nobody added: refused at admission, for that request alone
+    stray = LoraAdapter("gate-stray", 13, str(ads["qv"]))
+    with pytest.raises(EngineError, match="not added through the adapter gate"):
+        _sample(engine, _vocab(model_dir), [stray])
+    out = _sample(engine, _vocab(model_dir), [qv, None])  # the engine serves on
+    assert [len(c.token_ids) for c in out] == [6, 6]
+
+
+def _lora_request(adapter: LoraAdapter) -> Any:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(adapter.name, adapter.int_id, adapter.path)

@@ -195,6 +195,13 @@ class TrainerLora:
                 out[f"layers.{parts[2]}.{site}.lora"] = impl
         return out
 
+    def fingerprint(self) -> str:
+        """The adapter's `WeightFingerprint` (PEFT names, the model's dtype): what the engine's
+        adapter gate compares the adapter it loads against (`isoexec.vllm.adapter_gate`)."""
+        from isoexec.contract.fingerprint import WeightFingerprint
+
+        return WeightFingerprint.of(self.state_dict()).digest
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors under PEFT's names (detached copies)."""
         return {k: p.detach().clone().contiguous() for k, p in self.names.items()}

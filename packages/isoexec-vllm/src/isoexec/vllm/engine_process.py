@@ -323,6 +323,7 @@ class _Handler:
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"], kwargs["max_loras"] = config.lora
         self.llm = LLM(**kwargs)
+        self.isoexec = config.isoexec
         self.started = time.time()
 
     def generate(
@@ -418,6 +419,15 @@ class _Handler:
         fps = self.llm.collective_rpc("isoexec_load_weights", args=(path, expected_fingerprint))
         self.llm.reset_prefix_cache()
         return fps
+
+    def add_lora(self, adapter: LoraAdapter, fingerprint: str | None = None) -> bool:
+        """Load an adapter into the engine before requests use it. IsoExec engines announce it
+        first with the trainer's `fingerprint` (the adapter gate; needs MATCH)."""
+        if self.isoexec:
+            if fingerprint is None:
+                raise ValueError("an IsoExec engine loads an adapter only with its fingerprint")
+            self.llm.collective_rpc("isoexec_expect_adapter", args=(adapter.int_id, fingerprint))
+        return bool(self.llm.llm_engine.add_lora(_lora_request(adapter)))
 
     def weight_fingerprint(self) -> list[str]:
         return self.llm.collective_rpc("isoexec_weight_fingerprint")

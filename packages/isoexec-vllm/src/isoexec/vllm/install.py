@@ -17,13 +17,23 @@ def install_plugin() -> None:
     # This process owns every weight write (vLLM's loaders, IsoExec's weight sync), and both
     # paths clear the cache after writing: see `ops.gemm.enable_packed_weight_cache`.
     from isoexec.contract.ops.gemm import enable_packed_weight_cache
+    from isoexec.vllm.adapter_gate import (
+        check_adapter_load,
+        check_request_adapter,
+        record_added,
+        record_removed,
+    )
     from isoexec.vllm.attention import register_attention
     from isoexec.vllm.cuda_attention import register_cuda_attention
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.lora import PUNICA_WRAPPER
     from isoexec.vllm.moe import register_moe
-    from isoexec.vllm.patches import select_punica_wrapper
+    from isoexec.vllm.patches import (
+        admit_lora_requests,
+        gate_adapter_loads,
+        select_punica_wrapper,
+    )
     from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.sampler import install_sampler
     from isoexec.vllm.weight_gate import refuse_ungated_transfer_backends, register_gated_models
@@ -37,6 +47,8 @@ def install_plugin() -> None:
     register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
     install_sampler()
     select_punica_wrapper(PUNICA_WRAPPER)  # LoRA adapters run the canonical LoRA op
+    gate_adapter_loads(check_adapter_load)  # every adapter load needs MATCH and its fingerprint
+    admit_lora_requests(check_request_adapter, record_added, record_removed)  # frontend
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
     refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
     _INSTALLED = True

@@ -16,11 +16,20 @@ else enters through vLLM's own extension points: `CustomOp` / `PluggableLayer.re
 - `select_punica_wrapper`: vLLM's LoRA layers get their punica wrapper (the adapter maths)
   from `current_platform.get_punica_wrapper()`, a per-platform constant with no registration;
   the running platform's method is made to name IsoExec's (`lora.IsoPunicaWrapper`).
+- `gate_adapter_loads`: every adapter a worker loads (a request's `LoRARequest`, `add_lora`,
+  `/v1/load_lora_adapter`) is read by `WorkerLoRAManager._load_adapter`, which has no hook;
+  it is wrapped so the adapter gate (`adapter_gate.check_adapter_load`) runs first.
+- `admit_lora_requests`: the frontend validates a request's `LoRARequest` in
+  `InputProcessor._validate_lora` and adds adapters through `LLMEngine.add_lora` /
+  `AsyncLLM.add_lora` / `remove_lora`, none with a hook; each is wrapped so a request may
+  name only an adapter that was added (and so passed the gate) first.
 - IsoExec's linear layers override `CustomOp.dispatch_forward` (`layers.py`) to bind the
   engine's backend when vLLM constructs the layer: a method vLLM calls, not a public hook.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 WRITTEN_FOR_VLLM = "0.32"
 
@@ -71,6 +80,84 @@ def select_punica_wrapper(qualname: str) -> None:
     platform.get_punica_wrapper = classmethod(lambda cls: qualname)  # type: ignore[method-assign]
 
 
+def gate_adapter_loads(check: Any) -> None:
+    """Run `check(manager, lora_request)` before every adapter load of this worker process."""
+    from vllm.lora.worker_manager import WorkerLoRAManager
+
+    original = getattr(WorkerLoRAManager, "_load_adapter", None)
+    if original is None:
+        raise VllmVersionError(
+            f"WorkerLoRAManager._load_adapter is gone (written for vLLM {WRITTEN_FOR_VLLM}): "
+            "IsoExec cannot gate adapter loads"
+        )
+    if getattr(original, "isoexec_gated", False):
+        return
+
+    def _load_adapter(self: Any, lora_request: Any) -> Any:
+        check(self, lora_request)
+        return original(self, lora_request)
+
+    _load_adapter.isoexec_gated = True  # type: ignore[attr-defined]
+    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+
+
+def admit_lora_requests(check: Any, on_added: Any, on_removed: Any) -> None:
+    """Run `check(lora_request)` when the frontend validates a request's adapter, and tell
+    `on_added(lora_request, result)` / `on_removed(lora_id)` about every add and removal."""
+    import functools
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+    from vllm.v1.engine.input_processor import InputProcessor
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    for cls, name in ((InputProcessor, "_validate_lora"), (LLMEngine, "add_lora"),
+                      (LLMEngine, "remove_lora"), (AsyncLLM, "add_lora"),
+                      (AsyncLLM, "remove_lora")):  # fmt: skip
+        if not hasattr(cls, name):
+            raise VllmVersionError(
+                f"{cls.__name__}.{name} is gone (written for vLLM {WRITTEN_FOR_VLLM}): IsoExec "
+                "cannot admit LoRA requests"
+            )
+    if getattr(InputProcessor._validate_lora, "isoexec_gated", False):
+        return
+    validate = InputProcessor._validate_lora
+
+    @functools.wraps(validate)
+    def _validate_lora(self: Any, lora_request: Any) -> None:
+        validate(self, lora_request)
+        check(lora_request)
+
+    _validate_lora.isoexec_gated = True  # type: ignore[attr-defined]
+    InputProcessor._validate_lora = _validate_lora  # type: ignore[method-assign]
+
+    for cls in (LLMEngine, AsyncLLM):
+        add, remove = cls.add_lora, cls.remove_lora
+        if cls is AsyncLLM:
+
+            async def add_async(self: Any, req: Any, _add: Any = add) -> Any:
+                out = await _add(self, req)
+                on_added(req, out)
+                return out
+
+            async def remove_async(self: Any, lora_id: int, _remove: Any = remove) -> Any:
+                on_removed(lora_id)
+                return await _remove(self, lora_id)
+
+            cls.add_lora, cls.remove_lora = add_async, remove_async  # type: ignore[method-assign]
+        else:
+
+            def add_sync(self: Any, req: Any, _add: Any = add) -> Any:
+                out = _add(self, req)
+                on_added(req, out)
+                return out
+
+            def remove_sync(self: Any, lora_id: int, _remove: Any = remove) -> Any:
+                on_removed(lora_id)
+                return _remove(self, lora_id)
+
+            cls.add_lora, cls.remove_lora = add_sync, remove_sync  # type: ignore[method-assign]
+
+
 def text_only_config_hook(arch: str) -> None:
     """Give `arch` its causal-LM sibling's config hook (a no-op for a causal-LM name)."""
     sibling = _TEXT_ONLY_HOOK_OF.get(arch)
@@ -89,6 +176,8 @@ def text_only_config_hook(arch: str) -> None:
 __all__ = [
     "WRITTEN_FOR_VLLM",
     "VllmVersionError",
+    "admit_lora_requests",
+    "gate_adapter_loads",
     "rebind_qwen3_next_attention",
     "rebind_sampler",
     "select_punica_wrapper",

@@ -69,6 +69,7 @@ def revoke() -> None:
 def require_match(path: str) -> None:
     """Raise `WeightSyncRefusedError` unless this worker has a MATCH the service still holds."""
     from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.contract.handshake.types import HandshakeError
 
     c = STATE.clearance
     if c is None:
@@ -76,8 +77,14 @@ def require_match(path: str) -> None:
             f"weight write through {path} refused: this engine worker has no MATCH from the "
             "handshake (offer the contract first; a restarted worker must offer again)"
         )
-    with HandshakeClient(c.address, c.token, timeout_s=30.0, tls=c.tls) as client:
-        ok, reason = client.may_receive_weights(c.run_id, ENGINE_SIDE, c.rank)
+    try:
+        with HandshakeClient(c.address, c.token, timeout_s=30.0, tls=c.tls) as client:
+            ok, reason = client.may_receive_weights(c.run_id, ENGINE_SIDE, c.rank)
+    except HandshakeError as e:
+        raise WeightSyncRefusedError(
+            f"weight write through {path} refused: the handshake service that gave this worker "
+            f"its MATCH cannot confirm it ({e}); offer the contract again"
+        ) from None
     if not ok:
         raise WeightSyncRefusedError(
             f"weight write through {path} refused by the handshake service: {reason}"

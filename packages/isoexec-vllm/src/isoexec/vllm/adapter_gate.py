@@ -1,0 +1,117 @@
+"""The gate on every LoRA adapter an IsoExec engine worker loads.
+
+An adapter changes the logprobs as much as a weight sync does, so it passes the same gate:
+every path vLLM 0.32 has for putting an adapter into a worker — a request's `LoRARequest`,
+`LLM.llm_engine.add_lora`, the server's `/v1/load_lora_adapter` — ends in
+`WorkerLoRAManager._load_adapter`, which IsoExec wraps (`patches.gate_adapter_loads`). A load
+passes only if
+
+1. the adapter's id was announced with the trainer's fingerprint of it while this worker held
+   a MATCH the handshake service confirmed (`expect_adapter`, the worker extension's
+   `isoexec_expect_adapter`; `weight_gate.require_match`), and
+2. the adapter's tensors, as the engine will hold them (in the LoRA dtype), hash to that
+   fingerprint — the same `WeightFingerprint` the trainer takes of its adapter
+   (`TrainerLora.fingerprint`).
+
+Anything else is refused before vLLM reads the adapter into a slot. A verified adapter that
+vLLM evicts from its cache and reads again passes on its fingerprint alone (the same bytes).
+
+The frontend half (`check_request_adapter`): vLLM loads an adapter a request names for the
+first time inside the engine's step, where a refusal would fail every request of the batch.
+So a request may name only an adapter added first — `LLM.llm_engine.add_lora`,
+`AsyncLLM.add_lora`, `/v1/load_lora_adapter` — which passed the gate as the caller's own error
+or success; any other is refused at admission, for that request alone.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from isoexec.contract.fingerprint import WeightFingerprint
+from isoexec.vllm.weight_gate import WeightSyncRefusedError, require_match
+
+ADAPTER_FILE = "adapter_model.safetensors"
+# lora_int_id -> the trainer's fingerprint of the adapter, announced after this worker's MATCH
+EXPECTED: dict[int, str] = {}
+# Frontend: ids of the adapters added through the engine's add_lora (they passed the gate).
+ADDED: set[int] = set()
+
+
+class AdapterRefusedError(WeightSyncRefusedError):
+    """An adapter load without MATCH, without an announcement, or with other tensors."""
+
+
+def adapter_fingerprint(path: str | Path, dtype: torch.dtype) -> str:
+    """Fingerprint of the PEFT adapter in directory `path` as held in `dtype` (vLLM converts
+    adapters to its LoRA dtype, the model's; the trainer holds them in the model's dtype)."""
+    from safetensors.torch import load_file
+
+    file = Path(path) / ADAPTER_FILE
+    if not file.is_file():
+        raise AdapterRefusedError(f"adapter {path}: no {ADAPTER_FILE} (IsoExec reads no .bin)")
+    tensors = load_file(str(file))
+    return WeightFingerprint.of({k: v.to(dtype) for k, v in tensors.items()}).digest
+
+
+def expect_adapter(int_id: int, fingerprint: str) -> None:
+    """Announce the adapter `int_id` with the trainer's fingerprint (needs this worker's MATCH)."""
+    require_match(f"isoexec_expect_adapter({int_id})")
+    if not (isinstance(fingerprint, str) and len(fingerprint) == 64):
+        raise AdapterRefusedError(f"adapter {int_id}: {fingerprint!r} is not a fingerprint")
+    EXPECTED[int(int_id)] = fingerprint
+
+
+def check_adapter_load(manager: Any, lora_request: Any) -> None:
+    """Refuse (AdapterRefusedError) the load of `lora_request` unless it passes the gate."""
+    name, int_id = lora_request.lora_name, int(lora_request.lora_int_id)
+    want = EXPECTED.get(int_id)
+    if want is None:
+        raise AdapterRefusedError(
+            f"LoRA adapter {name!r} (id {int_id}) refused: it was not announced with the "
+            "trainer's fingerprint after MATCH (isoexec_expect_adapter); an adapter the trainer "
+            "does not hold would be sampled under a MATCH"
+        )
+    dtype = manager.lora_config.lora_dtype
+    got = adapter_fingerprint(lora_request.lora_path, dtype)
+    if got != want:
+        raise AdapterRefusedError(
+            f"LoRA adapter {name!r} (id {int_id}) refused: its tensors hash to {got[:16]}…, "
+            f"the trainer announced {want[:16]}… (another adapter, or a partial write)"
+        )
+
+
+def record_added(lora_request: Any, loaded: bool) -> None:
+    """Frontend: the engine's add_lora returned (it raised if the gate refused)."""
+    ADDED.add(int(lora_request.lora_int_id))
+
+
+def record_removed(lora_id: int) -> None:
+    ADDED.discard(int(lora_id))
+
+
+def check_request_adapter(lora_request: Any) -> None:
+    """Frontend, at admission: a request may name only an adapter added through the gate."""
+    if lora_request is None or int(lora_request.lora_int_id) in ADDED:
+        return
+    raise AdapterRefusedError(
+        f"IsoExec refuses this request: LoRA adapter {lora_request.lora_name!r} (id "
+        f"{lora_request.lora_int_id}) was not added through the adapter gate; add it first "
+        "(LLM.llm_engine.add_lora / AsyncLLM.add_lora / POST /v1/load_lora_adapter after "
+        "announcing its fingerprint)"
+    )
+
+
+__all__ = [
+    "ADDED",
+    "EXPECTED",
+    "AdapterRefusedError",
+    "adapter_fingerprint",
+    "check_adapter_load",
+    "check_request_adapter",
+    "expect_adapter",
+    "record_added",
+    "record_removed",
+]
