@@ -53,7 +53,11 @@ from isoexec.contract.pair_steps import (
 )
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe", "tiny-qwen35-vl",
-           "tiny-qwen35-moe-text")  # fmt: skip
+           "tiny-qwen35-moe-text", "tiny-dense-lora")  # fmt: skip
+# Presets that are another preset plus a random PEFT adapter (`--lora` with a made adapter).
+LORA_PRESETS = {"tiny-dense-lora": "tiny-dense"}
+# vLLM's allowed `max_lora_rank` values: the engine pads adapters to one (the canonical op too).
+VLLM_LORA_RANKS = (16, 32, 64, 128, 256, 320, 512)
 TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 
@@ -74,6 +78,7 @@ def run_arm(
     log_dir: Path | None = None,
     backend: str = "torch",
     device: str = "cpu",
+    lora: str | None = None,
 ) -> ArmResult:
     """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); a trainer with
     `trainer_tp` x `trainer_pp` > 1 scores on a torchrun world of that many ranks (pipeline
@@ -81,7 +86,12 @@ def run_arm(
     isoexec arm runs `tp_invariant` on both sides (the only canonical form across TP
     degrees). `backend` is the isoexec arm's kernels on both sides; `device` is where the
     trainer is built and runs ("cpu": gloo; "cuda": NCCL, one GPU per trainer rank); both are
-    checked (`check_setup`) before the engine starts."""
+    checked (`check_setup`) before the engine starts. `lora`: a PEFT adapter directory; the
+    isoexec arm attaches it to the trainer, loads it into the engine through the adapter gate
+    after MATCH, runs both canaries under it and samples every prompt under it (TP=1, the
+    in-process trainer; the stock arm has no trainer LoRA to compare with)."""
+    import dataclasses
+
     import torch
 
     from isoexec.megatron import (
@@ -106,6 +116,13 @@ def run_arm(
         eager=locate_dir is not None,
         log_file=None if verbose or log_dir is None else str(log_dir / f"engine-{arm}.log"),
     )  # fmt: skip
+    if lora is not None:
+        if not isoexec:
+            raise LoraArmError("no stock arm with --lora: stock Megatron-core has no adapter "
+                               "layers to score the engine's samples with")  # fmt: skip
+        if max(engine_tp, trainer_tp, trainer_pp) > 1:
+            raise LoraArmError("--lora runs the engine and the trainer at TP=1, PP=1")
+        engine_cfg = dataclasses.replace(engine_cfg, lora=(lora_rank_for(lora), 1))
     if trainer_tp * trainer_pp > 1:
         if locate_dir is not None:
             raise ValueError("--locate traces an in-process trainer: use --trainer-tp/-pp 1")
@@ -119,9 +136,15 @@ def run_arm(
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
         load_hf_weights(model, model_dir)
         status, hashes, verdict = "n/a (stock arm)", {}, None
+        adapter = None
         if isoexec:
+            if lora is not None:
+                adapter = _attach(model, lora, engine_cfg.lora[0])
             contract = trainer_contract(model, hf_config, dtype)
-            trainer_verdict, engine_verdict = handshake(contract, engine, canary_model=model)
+            if adapter is None:
+                trainer_verdict, engine_verdict = handshake(contract, engine, canary_model=model)
+            else:
+                trainer_verdict, engine_verdict = _lora_handshake(contract, engine, model, adapter)
             hashes = {"trainer": contract.hash, "engine": engine_verdict.get("hash")}
             verdict = engine_verdict["outcome"]
             _progress(arm, f"handshake {verdict}")
@@ -132,7 +155,7 @@ def run_arm(
             status = f"MATCH {contract.hash[:12]}"
         _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()
-        completions = sample(engine, prompts, temps, max_tokens)
+        completions = sample(engine, prompts, temps, max_tokens, lora=adapter)
         timings["sampling"] = time.monotonic() - t0
         _progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
@@ -153,6 +176,45 @@ def run_arm(
         arm, status, train, eng, token_temperatures(completions, temps), contract_hashes=hashes,
         verdict=verdict, weight_fingerprints=fingerprints, timings_s=timings, locate=report,
     )  # fmt: skip
+
+
+class LoraArmError(ValueError):
+    """An arm `--lora` cannot run (reported in the table, like a stock arm that cannot run)."""
+
+
+def lora_rank_for(adapter_dir: str) -> int:
+    """The engine's `max_lora_rank` for this adapter: the smallest vLLM allows that holds it."""
+    r = int(json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["r"])
+    for rank in VLLM_LORA_RANKS:
+        if r <= rank:
+            return rank
+    raise LoraArmError(f"adapter rank {r} > vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
+
+
+def _attach(model: Any, adapter_dir: str, rank: int) -> Any:
+    """Attach the adapter to the trainer's model; the engine's name for it."""
+    from isoexec.megatron.lora import attach_lora
+    from isoexec.vllm.engine_process import LoraAdapter
+
+    attach_lora(model, adapter_dir, rank=rank)
+    return LoraAdapter("pair-lora", 1, str(Path(adapter_dir).resolve()))
+
+
+def _lora_handshake(contract: Any, engine: Any, model: Any, adapter: Any) -> tuple[Any, Any]:
+    """MATCH, then the adapter through the engine's gate (announced with the trainer's
+    fingerprint), then both canaries under it, while the service is up."""
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.contract.pair_steps import canaries
+
+    token = secrets.token_hex(16)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
+        trainer_verdict, engine_verdict = handshake(contract, engine, server=server, token=token)
+        if trainer_verdict.matched and engine_verdict["outcome"] == "MATCH":
+            engine.call("add_lora", adapter, model.isoexec_lora.fingerprint())
+            _progress("isoexec", f"adapter {adapter.path} loaded through the gate")
+            _, canary = canaries(model, engine, server.address, token, "pair", 0, lora=adapter)
+            engine_verdict = {**engine_verdict, "canary": canary}
+    return trainer_verdict, engine_verdict
 
 
 def _progress(arm: str, what: str) -> None:
@@ -360,6 +422,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         help="show the engines' and the trainer's own logs (quiet by default; errors always show)",
     )
     p.add_argument(
+        "--lora",
+        metavar="ADAPTER_DIR",
+        help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): the "
+        "isoexec arm samples and scores every prompt under it (preset tiny-dense-lora makes one)",
+    )
+    p.add_argument(
         "--locate",
         action="store_true",
         help="if the isoexec arm is not 100%% bitwise, trace both sides and print the first "
@@ -402,8 +470,12 @@ def _run_named_arm(args: argparse.Namespace, arm: str, model_dir: str, out: Path
             max_tokens=args.max_tokens, seed=args.seed,
             locate_dir=out / "locate" if args.locate else None, engine_tp=args.engine_tp,
             trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, verbose=args.verbose,
-            log_dir=out, backend=args.backend, device=args.device,
+            log_dir=out, backend=args.backend, device=args.device, lora=args.lora,
         )  # fmt: skip
+    except LoraArmError as e:
+        if arm == "isoexec":
+            raise
+        return ArmResult(arm, "n/a", 0, 0, float("nan"), float("nan"), error=str(e))
     except EngineError as e:
         if arm == "isoexec":
             raise
@@ -435,9 +507,15 @@ def run(args: argparse.Namespace) -> int:
     else:
         from isoexec.contract.tiny_models import make_tiny_model
 
-        model_dir = str(
-            make_tiny_model(args.preset, out / f"{args.preset}-{args.dtype}", dtype=args.dtype)
-        )
+        base = LORA_PRESETS.get(args.preset, args.preset)
+        model_dir = str(make_tiny_model(base, out / f"{base}-{args.dtype}", dtype=args.dtype))
+        if args.preset in LORA_PRESETS and args.lora is None:
+            from isoexec.contract.tiny_lora import make_tiny_lora
+
+            args.lora = str(make_tiny_lora(model_dir, out / f"{args.preset}-adapter", seed=1))
+    if args.lora is not None and not (Path(args.lora) / "adapter_config.json").exists():
+        print(f"isoexec pair: {args.lora} has no adapter_config.json", flush=True)
+        return 2
     from isoexec.contract.sites import UnsupportedModelError, architecture
 
     try:

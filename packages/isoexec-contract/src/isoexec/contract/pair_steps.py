@@ -28,12 +28,15 @@ def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
     return prompts
 
 
-def sample(engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int) -> list[Any]:
-    """The engine samples `max_tokens` tokens per prompt, each at its temperature."""
+def sample(
+    engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int, lora: Any = None
+) -> list[Any]:
+    """The engine samples `max_tokens` tokens per prompt, each at its temperature (under the
+    adapter `lora`, a `LoraAdapter` the engine has added, if given)."""
     from isoexec.vllm.engine_process import SamplingSpec
 
     engine.call("reset_prefix_cache")
-    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t) for t in temps]
+    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t, lora=lora) for t in temps]
     return engine.generate(prompts, specs)
 
 
@@ -128,10 +131,11 @@ def handshake(
     return verdicts["trainer"], engine_verdict
 
 
-def canaries(model: Any, engine: Any, address: str, token: str, run_id: str, version: int = 0
-             ) -> tuple[Any, dict[str, Any]]:  # fmt: skip
+def canaries(model: Any, engine: Any, address: str, token: str, run_id: str, version: int = 0,
+             lora: Any = None) -> tuple[Any, dict[str, Any]]:  # fmt: skip
     """Both sides' canaries for weights `version`, offered at once: (the trainer's verdict,
-    the engine's as a dict)."""
+    the engine's as a dict). `lora`: the engine runs its probe under that adapter (the
+    trainer's model must have it attached)."""
     from isoexec.megatron.canary import offer_canary
 
     got: dict[str, Any] = {}
@@ -140,9 +144,11 @@ def canaries(model: Any, engine: Any, address: str, token: str, run_id: str, ver
         daemon=True,
     )
     t.start()
-    engine_verdict: dict[str, Any] = engine.call("canary", address, token, run_id, version)
+    engine_verdict: dict[str, Any] = engine.call(
+        "canary", address, token, run_id, version, None, lora
+    )
     t.join()
     return got.get("t"), engine_verdict
 
 
-__all__ = ["align", "handshake", "make_prompts", "sample", "sample_and_score"]
+__all__ = ["align", "canaries", "handshake", "make_prompts", "sample", "sample_and_score"]

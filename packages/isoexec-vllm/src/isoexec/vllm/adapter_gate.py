@@ -6,7 +6,7 @@ every path vLLM 0.32 has for putting an adapter into a worker — a request's `L
 `WorkerLoRAManager._load_adapter`, which IsoExec wraps (`patches.gate_adapter_loads`). A load
 passes only if
 
-1. the adapter's id was announced with the trainer's fingerprint of it while this worker held
+1. the adapter's name was announced with the trainer's fingerprint of it while this worker held
    a MATCH the handshake service confirmed (`expect_adapter`, the worker extension's
    `isoexec_expect_adapter`; `weight_gate.require_match`), and
 2. the adapter's tensors, as the engine will hold them (in the LoRA dtype), hash to that
@@ -34,8 +34,9 @@ from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.vllm.weight_gate import WeightSyncRefusedError, require_match
 
 ADAPTER_FILE = "adapter_model.safetensors"
-# lora_int_id -> the trainer's fingerprint of the adapter, announced after this worker's MATCH
-EXPECTED: dict[int, str] = {}
+# adapter name -> the trainer's fingerprint of the adapter, announced after this worker's MATCH
+# (by name: the OpenAI server's /v1/load_lora_adapter takes a name and picks the id itself)
+EXPECTED: dict[str, str] = {}
 # Frontend: ids of the adapters added through the engine's add_lora (they passed the gate).
 ADDED: set[int] = set()
 
@@ -46,28 +47,37 @@ class AdapterRefusedError(WeightSyncRefusedError):
 
 def adapter_fingerprint(path: str | Path, dtype: torch.dtype) -> str:
     """Fingerprint of the PEFT adapter in directory `path` as held in `dtype` (vLLM converts
-    adapters to its LoRA dtype, the model's; the trainer holds them in the model's dtype)."""
+    adapters to its LoRA dtype, the model's; the trainer holds them in the model's dtype).
+    Refuses an adapter on the lm head or the embedding (no trainer applies those)."""
     from safetensors.torch import load_file
+
+    from isoexec.vllm.lora import UNCOVERED_TARGETS
 
     file = Path(path) / ADAPTER_FILE
     if not file.is_file():
         raise AdapterRefusedError(f"adapter {path}: no {ADAPTER_FILE} (IsoExec reads no .bin)")
     tensors = load_file(str(file))
+    uncovered = sorted({t for k in tensors for t in UNCOVERED_TARGETS if f".{t}." in k})
+    if uncovered:
+        raise AdapterRefusedError(
+            f"adapter {path} targets {uncovered}: no canonical trainer LoRA there (adapters on "
+            "the attention and MLP projections only)"
+        )
     return WeightFingerprint.of({k: v.to(dtype) for k, v in tensors.items()}).digest
 
 
-def expect_adapter(int_id: int, fingerprint: str) -> None:
-    """Announce the adapter `int_id` with the trainer's fingerprint (needs this worker's MATCH)."""
-    require_match(f"isoexec_expect_adapter({int_id})")
+def expect_adapter(name: str, fingerprint: str) -> None:
+    """Announce the adapter `name` with the trainer's fingerprint (needs this worker's MATCH)."""
+    require_match(f"isoexec_expect_adapter({name!r})")
     if not (isinstance(fingerprint, str) and len(fingerprint) == 64):
-        raise AdapterRefusedError(f"adapter {int_id}: {fingerprint!r} is not a fingerprint")
-    EXPECTED[int(int_id)] = fingerprint
+        raise AdapterRefusedError(f"adapter {name!r}: {fingerprint!r} is not a fingerprint")
+    EXPECTED[str(name)] = fingerprint
 
 
 def check_adapter_load(manager: Any, lora_request: Any) -> None:
     """Refuse (AdapterRefusedError) the load of `lora_request` unless it passes the gate."""
     name, int_id = lora_request.lora_name, int(lora_request.lora_int_id)
-    want = EXPECTED.get(int_id)
+    want = EXPECTED.get(name)
     if want is None:
         raise AdapterRefusedError(
             f"LoRA adapter {name!r} (id {int_id}) refused: it was not announced with the "

@@ -391,9 +391,12 @@ class _Handler:
         run_id: str,
         weights_version: int,
         tls: dict[str, str | None] | None = None,
+        lora: LoraAdapter | None = None,
     ) -> dict[str, Any]:
         """Score the run's canary probe in a batch with other requests and offer it as
-        engine/0 for `weights_version` (`isoexec.vllm.canary`); the verdict as a dict."""
+        engine/0 for `weights_version` (`isoexec.vllm.canary`); the verdict as a dict. With
+        `lora` (added first), the probe and one other request of the batch run under that
+        adapter: the canary of an adapter run is the adapter's."""
         import time
 
         from isoexec.contract.handshake.tls import ClientTLS
@@ -403,9 +406,10 @@ class _Handler:
         probe = canary.probe_for(self.llm.llm_engine.vllm_config, run_id)
         batch = canary.canary_batch(probe)
         started = time.perf_counter()
+        loras = [_lora_request(lora if i % 2 == 0 else None) for i in range(len(batch))]
         outs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=p) for p, _ in batch], [sp for _, sp in batch],
-            use_tqdm=False,
+            use_tqdm=False, lora_request=loras if lora is not None else None,
         )  # fmt: skip
         values = canary.probe_logprobs(probe, outs[0].prompt_logprobs)
         return canary.offer(
@@ -426,7 +430,7 @@ class _Handler:
         if self.isoexec:
             if fingerprint is None:
                 raise ValueError("an IsoExec engine loads an adapter only with its fingerprint")
-            self.llm.collective_rpc("isoexec_expect_adapter", args=(adapter.int_id, fingerprint))
+            self.llm.collective_rpc("isoexec_expect_adapter", args=(adapter.name, fingerprint))
         return bool(self.llm.llm_engine.add_lora(_lora_request(adapter)))
 
     def weight_fingerprint(self) -> list[str]:

@@ -11,10 +11,11 @@ and B to `max_lora_rank`, which is the canonical form; the trainer pads to the s
 contract records it).
 
 The embedding, which vLLM wraps whenever LoRA is on, gets the canonical expand
-(`add_lora_embedding`); so does the lm head, the canonical op on the sampled rows
-(`add_lora_logits`). What vLLM may wrap but IsoExec does not compute canonically — MoE
-experts, fully sharded LoRA, TP>1, Triton backends — is refused when the engine is built
-(`refused_lora_settings`) or when its contract is read back (`check_lora_layers`).
+(`add_lora_embedding`); the lm head's adapter path adds nothing (`add_lora_logits`: the gate
+refuses adapters that target the lm head or the embedding, which no trainer applies).
+What vLLM may wrap but IsoExec does not compute canonically — MoE experts, fully sharded LoRA,
+TP>1, Triton backends — is refused when the engine is built (`refused_lora_settings`) or when
+its contract is read back (`check_lora_layers`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,8 @@ CANONICAL_LORA_LAYERS = (
     "VocabParallelEmbeddingWithLoRA",
     "LogitsProcessorWithLoRA",
 )
+# PEFT tensor names of modules no trainer adapter covers (refused at the adapter gate).
+UNCOVERED_TARGETS = ("lm_head", "embed_tokens")
 
 
 class LoRARefusedError(SiteRefusedError):
@@ -106,16 +109,11 @@ class IsoPunicaWrapper(PunicaWrapperCPU):
         buffer: torch.Tensor | None = None,
         **kwargs: Any,
     ) -> None:
-        """vLLM wraps the lm head whenever LoRA is on: the canonical op on the sampled rows'
-        logits (nothing for an adapter whose lm-head B is zero, i.e. that does not target it)."""
-        if scale != 1.0:
-            raise LoRARefusedError(f"LoRA scale {scale} at the lm head: the canonical op folds it")
-        n = lora_b_stacked.shape[2]
-        slots = self._sampler_indices[: x.size(0)]
-        head = self.isoexec_ops.lora_apply_by_slot(
-            y[:, :n].contiguous(), x, slots, [lora_a_stacked], [lora_b_stacked], [n]
-        )
-        y[:, :n].copy_(head)
+        """vLLM wraps the lm head whenever LoRA is on. Adapters that target it are refused at
+        the gate (no trainer has a canonical lm-head adapter), so its B is zero and nothing
+        is added — also for prompt logprobs, whose rows vLLM's slot mapping does not cover."""
+        if bool(lora_b_stacked.any()):
+            raise self._refused("the lm head (the adapter gate refuses such adapters)")
 
     def add_lora_fused_moe(self, *args: Any, **kwargs: Any) -> None:
         raise self._refused("MoE experts")

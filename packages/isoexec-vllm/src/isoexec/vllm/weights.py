@@ -88,7 +88,9 @@ def _whole_named_parameters(model: torch.nn.Module) -> Iterator[tuple[str, torch
     tp = get_tensor_model_parallel_world_size()
     if tp == 1:
         for name, param in model.named_parameters():
-            yield name, param.detach()
+            # a LoRA-wrapped layer holds the model's weight as `<layer>.base_layer.weight`
+            # (its adapter buffers are not parameters): the checkpoint's name is the layer's
+            yield name.replace(".base_layer.", "."), param.detach()
         return
     gdn = {p: m for p, m in model.named_modules() if hasattr(m, "gqa_interleaved_layout")}
     seen: set[int] = set()

@@ -105,12 +105,13 @@ class IsoWorkerExtension:
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         return self.isoexec_weight_fingerprint()
 
-    def isoexec_expect_adapter(self, int_id: int, fingerprint: str) -> None:
-        """Announce LoRA adapter `int_id` with the trainer's fingerprint of it (after MATCH):
-        the adapter gate lets only that adapter's tensors load under that id (`adapter_gate`)."""
+    def isoexec_expect_adapter(self, name: str, fingerprint: str) -> None:
+        """Announce LoRA adapter `name` with the trainer's fingerprint of it (after MATCH):
+        the adapter gate lets only that adapter's tensors load under that name
+        (`adapter_gate`)."""
         from isoexec.vllm.adapter_gate import expect_adapter
 
-        expect_adapter(int_id, fingerprint)
+        expect_adapter(name, fingerprint)
 
     def isoexec_gate_status(self) -> dict[str, Any]:
         """Whether this worker is cleared, the verdict of its last offer (at startup for a
