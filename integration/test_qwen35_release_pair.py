@@ -20,18 +20,14 @@ what a user runs.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _pairing import aligned_logprobs, scoring_jobs
+from _pairing import aligned_logprobs, run_pair_cli, scoring_jobs
 from safetensors.torch import save_file
 
 from isoexec.contract.contract import Contract
@@ -50,22 +46,6 @@ TEMPS = [1.0, 0.7, 1.0, 0.7]
 TP_INVARIANT = IsoExecOptions(tp_invariant=True)
 
 
-def _run_pair_cli(args: list[str], timeout_s: int = 600) -> subprocess.CompletedProcess[str]:
-    """`python -m isoexec.contract.cli pair ...` in its own session; the whole group (engines
-    included) is killed if it overruns or the test is interrupted."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "isoexec.contract.cli", "pair", *args],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
-    try:
-        out, _ = proc.communicate(timeout=timeout_s)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
-
-
 STOCK_CPU_GDN_FP32 = "AssertionError: CPU GDN attention requires BF16."
 SKIPPED_LINE = "isoexec: 21 tensors under model.visual.*, 7 under mtp.* not used by the text model"
 
@@ -82,7 +62,7 @@ SKIPPED_LINE = "isoexec: 21 tensors under model.visual.*, 7 under mtp.* not used
 def test_pair_cli_on_the_release_layout(preset: str, dtype: str, tmp_path: Path) -> None:
     out = tmp_path / "pair"
     arms = "isoexec,stock"
-    run = _run_pair_cli(["--preset", preset, "--dtype", dtype, "--num-prompts", "6",
+    run = run_pair_cli(["--preset", preset, "--dtype", dtype, "--num-prompts", "6",
                          "--max-tokens", "6", "--arms", arms, "--out", str(out)])  # fmt: skip
     table = run.stdout[run.stdout.rfind("isoexec pair —") :]
     print(table)
