@@ -248,3 +248,23 @@ def test_tiny_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str
         assert (out / "bench.png").read_bytes()[:8] == PNG
     else:
         assert "no plot (matplotlib is not installed" in printed
+
+
+def test_tiny_bench_lora_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--lora`: both engines generate under the same adapter (IsoExec's through its adapter
+    gate, cleared by a handshake), engine only; the report says LoRA engines run uncompiled."""
+    from isoexec.vllm import engine_process
+
+    live_before = set(engine_process._LIVE_GROUPS)
+    out = tmp_path / "bench"
+    argv = ["bench", "--size", "tiny", "--reps", "1", "--lora", "--out", str(out)]
+    assert cli.main(argv) == 0
+    assert engine_process._LIVE_GROUPS == live_before
+    printed = capsys.readouterr().out
+    assert "LoRA: both engine arms generate under a rank-8 adapter" in printed
+    assert "trainer fwd+bwd" not in printed
+    doc = json.loads((out / "bench.json").read_text())
+    e = doc["engine"]["default"]
+    assert doc["settings"]["lora"] is True and e["compiled"] is False
+    assert all(e["tokens_per_s"][arm] > 0 for arm in ("isoexec", "native"))
+    assert cli.main(["bench", "--lora", "--family", "moe", "--out", str(tmp_path / "x")]) == 2

@@ -10,7 +10,10 @@ profile of the IsoExec trainer step (time inside each canonical forward op).
 
     isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium] [--reps N]
                   [--mode default|eager|both] [--dtype float32|bfloat16] [--no-trainer]
-                  [--out DIR]
+                  [--lora] [--out DIR]
+
+`--lora`: both engine arms generate under a rank-8 adapter on every projection (IsoExec's
+canonical LoRA op against vLLM's punica kernels; dense, engine only).
 
 Writes `DIR/bench.json` and `DIR/bench.png` (`bench_report`), prints the overheads (engine =
 native tok/s / IsoExec tok/s; trainer = IsoExec ms/token / native ms/token) and the machine.
@@ -59,6 +62,7 @@ MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eage
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN = 32
 DEFAULT_OUT = "isoexec-bench"
+LORA_RANK = 16  # the engines' max_lora_rank with --lora (an adapter of rank 8 on every target)
 # The canonical forward ops timed by the trainer's op profile.
 PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
                 "attention_varlen", "token_logprobs", "moe_combine", "moe_router",
@@ -148,21 +152,25 @@ def bench_engine(
     *,
     mode: str = "default",
     log_dir: Path | None = None,
+    lora: Path | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Engine throughput both ways, both arms in the same mode ("default": vLLM's compiled
     mode; "eager"); also returns the IsoExec arm's sequences (prompt + completion, for the
     trainer). Both engines live in `EngineProcess` context managers: shut down whatever
-    happens."""
-    from isoexec.vllm.engine_process import EngineConfig, SamplingSpec
+    happens. With `lora` (a PEFT adapter directory) both arms generate under that adapter:
+    IsoExec's canonical LoRA op against vLLM's punica kernels."""
+    from isoexec.vllm.engine_process import EngineConfig, LoraAdapter, SamplingSpec
 
-    spec = SamplingSpec(max_tokens=tokens, temperature=1.0)
+    adapter = None if lora is None else LoraAdapter("bench", 1, str(lora))
+    spec = SamplingSpec(max_tokens=tokens, temperature=1.0, lora=adapter)
     kv = kv_cache_bytes(len(batch), tokens)
     eager = mode == "eager"
 
     def config(arm: str) -> EngineConfig:
         log = None if log_dir is None else str(log_dir / f"engine-{arm}-{mode}.log")
         return EngineConfig(model=str(model), dtype=dtype, isoexec=arm == "isoexec",
-                            kv_cache_bytes=kv, enforce_eager=eager, log_file=log)  # fmt: skip
+                            kv_cache_bytes=kv, enforce_eager=eager, log_file=log,
+                            lora=None if lora is None else (LORA_RANK, 1))  # fmt: skip
 
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     seqs: list[list[int]] = []
@@ -170,7 +178,9 @@ def bench_engine(
     t0 = time.monotonic()
     with started_engines({arm: config(arm) for arm in ARMS}) as engines:
         _progress(mode, f"engines ready in {time.monotonic() - t0:.1f} s; warming up")
-        warm = SamplingSpec(max_tokens=min(tokens, 8), temperature=1.0)
+        if adapter is not None:
+            _add_bench_adapter(engines, adapter, dtype)
+        warm = SamplingSpec(max_tokens=min(tokens, 8), temperature=1.0, lora=adapter)
         for eng in engines.values():  # the timed batch's shapes, prefill and decode
             eng.generate(batch, warm)
         for rep in range(reps):
@@ -184,7 +194,33 @@ def bench_engine(
             _progress(mode, f"rep {rep + 1}/{reps}: " + ", ".join(
                 f"{arm} {times[arm][-1]:.2f} s" for arm in ARMS))  # fmt: skip
     generated = sum(len(s) for s in seqs) - sum(len(p) for p in batch)
-    return engine_result(times, generated or len(batch) * tokens, mode), seqs
+    # vLLM-CPU turns torch.compile off for LoRA engines (CpuPlatform.check_and_update_config)
+    compiled = mode == "default" and lora is None
+    return engine_result(times, generated or len(batch) * tokens, mode, compiled=compiled), seqs
+
+
+def _add_bench_adapter(engines: Mapping[str, Any], adapter: Any, dtype: str) -> None:
+    """Load the adapter into both engines. The IsoExec engine's adapter gate needs a MATCH: a
+    benchmark has no trainer, so the engine's own contract is offered on the trainer's side
+    (the gate is exercised, not bypassed) and the fingerprint is taken from the files."""
+    import secrets
+
+    import torch
+
+    from isoexec.contract.contract import Contract
+    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.contract.pair_steps import handshake
+    from isoexec.vllm.adapter_gate import adapter_fingerprint
+
+    iso = engines["isoexec"]
+    token = secrets.token_hex(16)
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
+        own = Contract.from_bytes(iso.call("contract"))
+        verdict, _ = handshake(own, iso, "bench", server=server, token=token)
+        verdict.raise_for_mismatch()
+        fp = adapter_fingerprint(adapter.path, getattr(torch, dtype))
+        iso.call("add_lora", adapter, fp)
+    engines["native"].call("add_lora", adapter)
 
 
 @contextlib.contextmanager
@@ -302,6 +338,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="float32 (default), bfloat16 (GDN's only dtype)")  # fmt: skip
     p.add_argument("--no-trainer", action="store_true", help="the engine only")
+    p.add_argument("--lora", action="store_true",
+                   help="both engine arms generate under a rank-8 adapter on every projection: "
+                   "canonical LoRA vs vLLM's LoRA (dense; the engine only)")  # fmt: skip
     p.add_argument("--out", default=DEFAULT_OUT, help="where bench.json and bench.png go")
     p.add_argument("--verbose", action="store_true",
                    help="show the engines' and the trainer's own logs (by default the engine "
@@ -323,7 +362,11 @@ def run(args: argparse.Namespace) -> int:
     except BenchSetupError as e:
         print(f"isoexec bench: {e}", flush=True)
         return 2
-    trainer = not args.no_trainer
+    if args.lora and args.family != "dense":
+        print("isoexec bench: --lora runs on the dense family only (LoRA on MoE is refused)",
+              flush=True)  # fmt: skip
+        return 2
+    trainer = not args.no_trainer and not args.lora
     missing = missing_sides(trainer)
     if missing:
         print(
@@ -350,10 +393,15 @@ def run(args: argparse.Namespace) -> int:
         model = make_model(Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"],
                            args.family, dtype)  # fmt: skip
         seqs: list[list[int]] = []
+        lora = None
+        if args.lora:
+            from isoexec.contract.tiny_lora import LORA_TARGETS, make_tiny_lora
+
+            lora = make_tiny_lora(model, Path(tmp) / "adapter", rank=8, targets=LORA_TARGETS)
         for mode in modes:
             engine[mode], got = bench_engine(
                 model, batch, size["tokens"], args.reps, dtype, mode=mode,
-                log_dir=None if args.verbose else out,
+                log_dir=None if args.verbose else out, lora=lora,
             )  # fmt: skip
             seqs = seqs or got
             e = engine[mode]
@@ -364,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {
         "family": args.family, "size": args.size, "dtype": dtype, "reps": args.reps,
         "mode": args.mode, "modes": list(modes), "trainer": trainer, "prompt_len": PROMPT_LEN,
+        "lora": bool(args.lora),
         **size,
     }  # fmt: skip
     doc = {"settings": settings, "machine": machine_info(), "engine": engine,

@@ -128,13 +128,17 @@ def machine_line(machine: Mapping[str, Any]) -> str:
     )
 
 
-def engine_result(runs_s: Mapping[str, list[float]], tokens: int, mode: str) -> dict[str, Any]:
-    """One engine mode from the seconds of each rep per arm (`tokens` generated per rep)."""
+def engine_result(
+    runs_s: Mapping[str, list[float]], tokens: int, mode: str, *, compiled: bool | None = None
+) -> dict[str, Any]:
+    """One engine mode from the seconds of each rep per arm (`tokens` generated per rep);
+    `compiled`: whether vLLM compiled the model (default: the mode says; vLLM-CPU turns
+    compilation off for LoRA engines)."""
     median = {arm: _median(runs_s[arm]) for arm in ARMS}
     tps = {arm: tokens / median[arm] for arm in ARMS}
     return {
         "mode": mode,
-        "compiled": mode == "default",
+        "compiled": mode == "default" if compiled is None else compiled,
         "tokens_per_rep": tokens,
         "runs_s": {arm: list(runs_s[arm]) for arm in ARMS},
         "median_s": median,
@@ -175,6 +179,10 @@ def summary_lines(doc: Mapping[str, Any]) -> list[str]:
         f"{s['layers']} layers, vocab {s['vocab']}; {s['prompts']} prompts x {s['tokens']} new "
         f"tokens; median of {s['reps']})"
     ]
+    if s.get("lora"):
+        lines.append("LoRA: both engine arms generate under a rank-8 adapter on every projection "
+                     "(IsoExec's canonical LoRA op vs vLLM's punica kernels); vLLM-CPU runs LoRA "
+                     "engines uncompiled whatever the mode")  # fmt: skip
     for mode, e in doc["engine"].items():
         t = e["tokens_per_s"]
         lines.append(
