@@ -12,6 +12,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,3 +78,16 @@ def served(
             os.killpg(proc.pid, signal.SIGKILL)  # anything of the group still alive
         except ProcessLookupError:
             pass
+
+
+def wait_cleared(url: str, token: str) -> list[dict[str, Any]]:
+    """The worker's gate state once its startup offer has its verdict (it arrives with the
+    trainer's offer; the worker's thread records it a moment later)."""
+    from isoexec.contract.served import served_status
+
+    deadline = time.monotonic() + 60
+    while True:
+        workers = served_status(url, token)
+        if all(w["last_verdict"] is not None for w in workers) or time.monotonic() > deadline:
+            return workers
+        time.sleep(0.5)

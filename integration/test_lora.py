@@ -331,3 +331,84 @@ def test_lora_on_a_moe_model_is_refused_with_the_reason(
     model_dir = model_factory("tiny-moe", "float32")
     with pytest.raises(EngineError, match="LoRA on a MoE model is refused"):
         EngineProcess(EngineConfig(model=model_dir, isoexec=True, lora=(RANK, 1))).close()
+
+
+def test_served_adapter_push_canary_and_bitwise(
+    tmp_path: Path,
+    model_factory: Callable[[str, str], str],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """vLLM's own OpenAI server with `--enable-lora`: after MATCH the trainer pushes its adapter
+    (a forged fingerprint is refused, nothing loaded), sampling waits for a canary under it,
+    then the `openai` client's completions for the adapter's model name carry the adapter in
+    their sampling record and score bitwise on the trainer with that adapter attached."""
+    import openai
+    from _served import served, wait_cleared
+
+    from isoexec.contract.served import (
+        SAMPLING_HEADER,
+        SamplingRecord,
+        SamplingRecordError,
+        WeightPushError,
+        push_adapter,
+    )
+    from isoexec.megatron import score_sampled
+    from isoexec.megatron.canary import canary_with_served_engine
+
+    model_dir = model_factory("tiny-dense", "float32")
+    model = base_trainer(model_dir, "float32")
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    lora = attach_lora(model, adapters(model_dir)["qv"], rank=RANK, name="policy-0")
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    prompts = make_prompts(3, _vocab(model_dir), seed=5)
+    try:
+        with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
+            args = ("--handshake-address", hs.address, "--handshake-token-file",
+                    str(tmp_path / "token"), "--handshake-run-id", "lora-run")  # fmt: skip
+            lora_args = ("--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2")
+            with served(model_dir, stock=False, log=tmp_path / "server.log",
+                        launcher_args=args, vllm_args=lora_args) as url:  # fmt: skip
+                from isoexec.contract.handshake.client import HandshakeClient
+
+                with HandshakeClient(hs.address, token, timeout_s=120) as client:
+                    assert client.offer(
+                        "lora-run", "trainer", 0, trainer_contract(model, hf)
+                    ).matched
+                wait_cleared(url, token)
+                tensors, cfg = lora.state_dict(), lora.peft_config()
+                with pytest.raises(WeightPushError, match=r"HTTP 409: .*hash to"):
+                    push_adapter(url, token, "policy-0", tensors, cfg, "0" * 64)
+                reply = push_adapter(url, token, "policy-0", tensors, cfg, lora.fingerprint())
+                version = reply["weights_version"]
+                oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+                def complete(name: str, prompt: list[int]) -> Any:
+                    return oai.completions.with_raw_response.create(
+                        model=name, prompt=prompt, max_tokens=6, temperature=1.0, logprobs=1,
+                        extra_body={"return_tokens_as_token_ids": True},
+                    )  # fmt: skip
+
+                with pytest.raises(openai.APIStatusError, match="has not passed a canary"):
+                    complete("policy-0", prompts[0])
+                t_canary, e_canary = canary_with_served_engine(
+                    model, url, hs.address, token, "lora-run", version, adapter="policy-0"
+                )
+                assert t_canary.matched and e_canary["matched"], e_canary
+                for prompt in prompts:
+                    raw = complete("policy-0", prompt)
+                    record = SamplingRecord.from_header(raw.headers.get(SAMPLING_HEADER))
+                    assert record.adapter == "policy-0" and record.weights_version == version
+                    choice = raw.parse().choices[0]
+                    ids = [int(t.removeprefix("token_id:")) for t in choice.logprobs.tokens]
+                    (lp,) = score_sampled(model, [prompt + ids], record)
+                    got = torch.tensor(choice.logprobs.token_logprobs)
+                    assert torch.equal(lp[-len(ids) :].float(), got), prompt[:3]
+                base = complete(model_dir, prompts[0])  # the base model: no adapter recorded
+                base_record = SamplingRecord.from_header(base.headers.get(SAMPLING_HEADER))
+                assert base_record.adapter is None
+                with pytest.raises(SamplingRecordError, match=r"no adapter attached|'policy-0'"):
+                    score_sampled(model, [prompts[0]], base_record)
+    finally:
+        lora.detach()

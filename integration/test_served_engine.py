@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 import torch
-from _served import served
+from _served import served, wait_cleared
 
 from isoexec.contract.pair import make_prompts
 
@@ -146,7 +145,7 @@ def test_served_engine_handshake_weight_push_and_bitwise(
                 verdict = client.offer("served-run", "trainer", 0,
                                        trainer_contract(trainer, hf, "float32"))  # fmt: skip
             assert verdict.matched, verdict
-            (status,) = _wait_cleared(url, token)
+            (status,) = wait_cleared(url, token)
             assert status["last_verdict"] == "MATCH" and status["gated_loads"] == 0
             # No sample before a canary of the loaded weights has MATCHed.
             with pytest.raises(openai.APIStatusError, match="not cleared to sample"):
@@ -240,16 +239,3 @@ def _streams_in_flight(
     for t in threads:
         t.join(120)
     assert all(o is not None for o in out), out
-
-
-def _wait_cleared(url: str, token: str) -> list[dict[str, Any]]:
-    """The worker's gate state once its startup offer has its verdict (it arrives with the
-    trainer's offer; the worker's thread records it a moment later)."""
-    from isoexec.contract.served import served_status
-
-    deadline = time.monotonic() + 60
-    while True:
-        workers = served_status(url, token)
-        if all(w["last_verdict"] is not None for w in workers) or time.monotonic() > deadline:
-            return workers
-        time.sleep(0.5)

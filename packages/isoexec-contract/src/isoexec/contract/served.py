@@ -16,8 +16,13 @@ dev-mode endpoints.
   canary (`isoexec.contract.canary`) of the weights it holds has MATCHed: at start-up and after
   every push. `served_canary` asks the engine to score and offer its canary for a weights
   version while the trainer offers its own (`isoexec.megatron.canary`).
+- **Adapter push.** `push_adapter` sends a LoRA adapter (PEFT-named tensors, its PEFT config,
+  a name and the trainer's fingerprint) to `ADAPTER_ROUTE`: every worker announces it after
+  checking its MATCH, the server loads it under that name through vLLM's own adapter loading
+  (which the adapter gate checks against the fingerprint), and sampling waits for a canary run
+  under it (`served_canary(..., adapter=name)`), as after a weight push.
 - **What each completion was sampled with.** Every completion response carries a
-  `SamplingRecord` (effective temperature, logprobs mode, weights version) in
+  `SamplingRecord` (effective temperature, logprobs mode, weights version, adapter) in
   `SAMPLING_HEADER`; the trainer scores with it and refuses a sequence without it.
 
 Framework-free: a trainer node imports this without vLLM.
@@ -39,12 +44,15 @@ HANDSHAKE_CONFIG_KEY = "isoexec_handshake"
 WEIGHTS_ROUTE = "/isoexec/weights"
 STATUS_ROUTE = "/isoexec/status"
 CANARY_ROUTE = "/isoexec/canary"
+ADAPTER_ROUTE = "/isoexec/adapter"
 FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
+ADAPTER_NAME_HEADER = "X-IsoExec-Adapter-Name"
+ADAPTER_CONFIG_HEADER = "X-IsoExec-Adapter-Config"  # the adapter's PEFT config, JSON
 DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its trainer
 
 
 SAMPLING_HEADER = "X-IsoExec-Sampling"
-SAMPLING_FIELDS = ("temperature", "logprobs_mode", "weights_version")
+SAMPLING_FIELDS = ("temperature", "logprobs_mode", "weights_version", "adapter")
 
 
 class SamplingRecordError(ValueError):
@@ -63,6 +71,7 @@ class SamplingRecord:
     temperature: float
     logprobs_mode: str
     weights_version: int
+    adapter: str | None = None  # the LoRA adapter (the request's model name), None: the base
 
     def to_header(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -78,8 +87,11 @@ class SamplingRecord:
             raw = json.loads(text)
             if set(raw) != set(SAMPLING_FIELDS):
                 raise ValueError(f"fields {sorted(raw)}, want {sorted(SAMPLING_FIELDS)}")
+            adapter = raw["adapter"]
+            if adapter is not None and not isinstance(adapter, str):
+                raise ValueError(f"adapter {adapter!r} is not a name")
             record = cls(float(raw["temperature"]), str(raw["logprobs_mode"]),
-                         int(raw["weights_version"]))  # fmt: skip
+                         int(raw["weights_version"]), adapter)  # fmt: skip
         except (ValueError, TypeError, AttributeError) as e:
             raise SamplingRecordError(f"malformed {SAMPLING_HEADER} header {text!r}: {e}") from None
         return record
@@ -173,14 +185,42 @@ def push_weights(
     return [str(f) for f in reply["fingerprints"]]
 
 
-def served_canary(
-    base_url: str, token: str, weights_version: int, timeout_s: float = 600.0
+def push_adapter(
+    base_url: str,
+    token: str,
+    name: str,
+    tensors: Mapping[str, Any],
+    peft_config: Mapping[str, Any],
+    fingerprint: str,
+    *,
+    timeout_s: float = 600.0,
 ) -> dict[str, Any]:
-    """Ask a served engine to score the run's canary probe under the weights it holds and
-    offer it for `weights_version` (0 at start, +1 per push); its verdict (`matched`,
-    `summary`, `first_position`, `engine_scored_s`). The trainer offers its own concurrently;
-    the engine samples again only after a MATCH."""
-    body = json.dumps({"weights_version": int(weights_version)}).encode()
+    """Send a LoRA adapter to a served engine, to be served as model `name`; the reply holds
+    the weights version sampling now waits on (a canary under the adapter). Raises
+    `WeightPushError` with the server's reason when it refuses (wrong token, no MATCH, tensors
+    that do not hash to `fingerprint` — the trainer's, `TrainerLora.fingerprint`)."""
+    from safetensors.torch import save
+
+    body = save({k: v.contiguous() for k, v in tensors.items()})
+    headers = {FINGERPRINT_HEADER: fingerprint, ADAPTER_NAME_HEADER: name,
+               ADAPTER_CONFIG_HEADER: json.dumps(dict(peft_config)),
+               "Content-Type": "application/octet-stream"}  # fmt: skip
+    return _request(base_url + ADAPTER_ROUTE, token, body, headers, timeout_s)
+
+
+def served_canary(
+    base_url: str,
+    token: str,
+    weights_version: int,
+    timeout_s: float = 600.0,
+    *,
+    adapter: str | None = None,
+) -> dict[str, Any]:
+    """Ask a served engine to score the run's canary probe under the weights it holds (and
+    the LoRA adapter `adapter`, pushed before) and offer it for `weights_version` (0 at start,
+    +1 per push); its verdict (`matched`, `summary`, `first_position`, `engine_scored_s`). The
+    trainer offers its own concurrently; the engine samples again only after a MATCH."""
+    body = json.dumps({"weights_version": int(weights_version), "adapter": adapter}).encode()
     headers = {"Content-Type": "application/json"}
     return _request(base_url + CANARY_ROUTE, token, body, headers, timeout_s)
 
@@ -212,6 +252,9 @@ def _request(
 
 
 __all__ = [
+    "ADAPTER_CONFIG_HEADER",
+    "ADAPTER_NAME_HEADER",
+    "ADAPTER_ROUTE",
     "CANARY_ROUTE",
     "FINGERPRINT_HEADER",
     "HANDSHAKE_CONFIG_KEY",
@@ -223,6 +266,7 @@ __all__ = [
     "ServedHandshake",
     "ServedHandshakeError",
     "WeightPushError",
+    "push_adapter",
     "push_weights",
     "served_canary",
     "served_status",

@@ -62,17 +62,22 @@ def canary_with_served_engine(
     *,
     tls: ClientTLS | None = None,
     timeout_s: float = 600.0,
+    adapter: str | None = None,
 ) -> tuple[CanaryVerdict, dict[str, Any]]:
     """The canary of a served engine (`isoexec engine serve --handshake-*`) and this trainer
     for `weights_version`, both offered at once: (trainer's verdict, engine's verdict). The
-    engine samples again only after a MATCH; run it at start-up and after every push."""
+    engine samples again only after a MATCH; run it at start-up and after every push.
+    `adapter`: the engine's probe runs under that pushed adapter (attach the same one to
+    `model`)."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
     from isoexec.contract.served import served_canary
 
     pool = ThreadPoolExecutor(2, thread_name_prefix="isoexec-canary")
     try:
-        engine = pool.submit(served_canary, engine_url, token, weights_version, timeout_s)
+        engine = pool.submit(
+            served_canary, engine_url, token, weights_version, timeout_s, adapter=adapter
+        )
         trainer = pool.submit(offer_canary, model, address, token, run_id, weights_version,
                               tls=tls, timeout_s=timeout_s)  # fmt: skip
         wait([engine, trainer], return_when=FIRST_EXCEPTION)

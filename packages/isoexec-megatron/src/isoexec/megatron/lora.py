@@ -155,10 +155,10 @@ class _Site:
 class TrainerLora:
     """A PEFT adapter attached to a Megatron model (see the module docstring)."""
 
-    def __init__(self, model: torch.nn.Module, config: AdapterConfig, rank: int) -> None:
+    def __init__(self, model: torch.nn.Module, config: AdapterConfig, rank: int, name: str) -> None:
         if config.rank > rank:
             raise LoraAdapterError(f"adapter rank {config.rank} > the padded rank {rank}")
-        self.model, self.config, self.rank = model, config, rank
+        self.model, self.config, self.rank, self.name = model, config, rank, name
         self.sites: dict[str, _Site] = {}
         self.names: dict[str, torch.nn.Parameter] = {}  # PEFT tensor name -> parameter
 
@@ -213,7 +213,12 @@ class TrainerLora:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         save_file(self.state_dict(), str(out / "adapter_model.safetensors"))
-        cfg = {
+        (out / "adapter_config.json").write_text(json.dumps(self.peft_config(), indent=2) + "\n")
+        return out
+
+    def peft_config(self) -> dict[str, Any]:
+        """The adapter's `adapter_config.json` as PEFT writes it (what vLLM reads)."""
+        return {
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "r": self.config.rank,
@@ -225,16 +230,21 @@ class TrainerLora:
             "lora_dropout": 0.0,
             "modules_to_save": None,
         }
-        (out / "adapter_config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        return out
 
 
 def attach_lora(
-    model: torch.nn.Module, adapter_dir: str | Path, *, rank: int, freeze_base: bool = True
+    model: torch.nn.Module,
+    adapter_dir: str | Path,
+    *,
+    rank: int,
+    name: str | None = None,
+    freeze_base: bool = True,
 ) -> TrainerLora:
     """Load the PEFT adapter in `adapter_dir` onto `model` (an IsoExec Megatron model) as
     trainable parameters in the model's dtype, padded to `rank` (the engine's
-    `max_lora_rank`). With `freeze_base`, the model's own parameters stop requiring grad."""
+    `max_lora_rank`). `name`: the engine's name for it (a served completion's record names
+    its adapter; default: the directory's name). With `freeze_base`, the model's own
+    parameters stop requiring grad."""
     from safetensors.torch import load_file
 
     from isoexec.megatron.scoring import is_isoexec
@@ -250,7 +260,7 @@ def attach_lora(
     if freeze_base:
         for p in model.parameters():
             p.requires_grad_(False)
-    lora = TrainerLora(model, config, rank)
+    lora = TrainerLora(model, config, rank, name or Path(adapter_dir).resolve().name)
     layers = sorted({int(k.split(".")[4]) for k in tensors if k.startswith(PEFT_PREFIX + ".")})
     expected = set()
     for layer in layers:

@@ -23,8 +23,9 @@ def score_sampled(
     record: SamplingRecord | None,
     **score_kw: Any,
 ) -> list[torch.Tensor]:
-    """`score` at the record's temperature; refused without a record, or when the record's
-    logprobs mode is not the one this model scores."""
+    """`score` at the record's temperature; refused without a record, when the record's
+    logprobs mode is not the one this model scores, or when its adapter is not the one
+    attached to the model (`attach_lora(..., name=...)`)."""
     if not isinstance(record, SamplingRecord):
         raise SamplingRecordError(
             "refusing to score sequences without the record of what they were sampled with "
@@ -35,6 +36,13 @@ def score_sampled(
         raise SamplingRecordError(
             f"the sequences were sampled by an engine returning {record.logprobs_mode}, but "
             f"this model scores {mode}"
+        )
+    lora = getattr(model, "isoexec_lora", None)  # an attached adapter (`isoexec.megatron.lora`)
+    attached = None if lora is None else lora.name
+    if record.adapter != attached:
+        raise SamplingRecordError(
+            f"the sequences were sampled under adapter {record.adapter!r}, but this model has "
+            f"{'no adapter' if attached is None else repr(attached)} attached"
         )
     return score(model, sequences, temperature=record.temperature, **score_kw)
 

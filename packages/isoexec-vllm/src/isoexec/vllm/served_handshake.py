@@ -43,20 +43,53 @@ def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thr
         return None
     token = settings.token()  # refused now (engine start fails) if missing or empty
     rank = get_tensor_model_parallel_rank()
-    contract = worker_contract(model, built_sampler(), vllm_config)
+    sampler = built_sampler()
     weight_gate.revoke()
-    thread = threading.Thread(target=_offer, args=(settings, token, rank, contract),
+    if vllm_config.lora_config is None:
+        contract = worker_contract(model, sampler, vllm_config)
+        build = lambda: contract  # noqa: E731
+    else:  # vLLM wraps the LoRA layers after this load: read the contract once it has
+        build = lambda: _after_lora_wrapping(  # noqa: E731
+            model, lambda: worker_contract(model, sampler, vllm_config)
+        )
+    thread = threading.Thread(target=_offer, args=(settings, token, rank, build),
                               name="isoexec-offer", daemon=True)  # fmt: skip
     thread.start()
-    log.info("isoexec: engine rank %d offers contract %s to %s (run %s)", rank,
-             contract.hash[:12], settings.address, settings.run_id)  # fmt: skip
     return thread
 
 
-def _offer(settings: ServedHandshake, token: str, rank: int, contract: Any) -> None:
+LORA_WRAP_TIMEOUT_S = 600.0
+
+
+def _after_lora_wrapping(model: torch.nn.Module, build: Any) -> Any:
+    """`build()` once vLLM's LoRA manager has wrapped the model's layers (it does so right
+    after the checkpoint load that starts the offer): a contract read before would declare
+    no LoRA sites."""
+    import time
+
+    from vllm.lora.layers import BaseLayerWithLoRA
+
+    deadline = time.monotonic() + LORA_WRAP_TIMEOUT_S
+    while not any(isinstance(m, BaseLayerWithLoRA) for m in model.modules()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("vLLM's LoRA manager did not wrap the model's layers")
+        time.sleep(0.2)
+    time.sleep(0.5)  # the manager replaces modules one by one: let it finish
+    return build()
+
+
+def _offer(settings: ServedHandshake, token: str, rank: int, build: Any) -> None:
     from isoexec.contract.handshake.client import HandshakeClient
 
     tls = settings.client_tls()
+    try:
+        contract = build()
+    except Exception as e:  # a refused site: no offer, no weights
+        weight_gate.STATE.last_verdict = f"ERROR: {e}"
+        log.error("isoexec: engine rank %d: no contract to offer: %s", rank, e)
+        return
+    log.info("isoexec: engine rank %d offers contract %s to %s (run %s)", rank,
+             contract.hash[:12], settings.address, settings.run_id)  # fmt: skip
     try:
         with HandshakeClient(settings.address, token, timeout_s=settings.timeout_s,
                              tls=tls) as client:  # fmt: skip

@@ -13,8 +13,17 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   reason when refused.
 - `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker], "sampling": the
   sampling gate}`.
-- `POST CANARY_ROUTE`, body `{"weights_version": k}`: the engine scores the run's canary probe
-  in a batch with other requests and offers it (`isoexec.vllm.canary`); replies its verdict.
+- `POST CANARY_ROUTE`, body `{"weights_version": k, "adapter": name or null}`: the engine
+  scores the run's canary probe in a batch with other requests (the probe under the adapter,
+  if named) and offers it (`isoexec.vllm.canary`); replies its verdict.
+- `POST ADAPTER_ROUTE`: body = safetensors bytes of a PEFT adapter's tensors, headers
+  `ADAPTER_NAME_HEADER`, `ADAPTER_CONFIG_HEADER` (its adapter_config.json) and
+  `FINGERPRINT_HEADER` (the trainer's fingerprint). Every worker announces it (needs MATCH),
+  then vLLM's own adapter loading loads it under that name (the adapter gate checks the
+  tensors against the fingerprint). The files stay in a private directory for the server's
+  life (vLLM reads an evicted adapter again). Like a weight push, it bumps the weights version:
+  sampling waits for a canary under it. 409 with the reason when refused; a name already
+  served is refused (push each synced adapter under a new name).
 
 All answer 401 without the token, and 404 on an engine started without handshake settings.
 Every completion response (`SAMPLED`) carries the `SamplingRecord` it was sampled with in
@@ -36,6 +45,9 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.contract.served import (
+    ADAPTER_CONFIG_HEADER,
+    ADAPTER_NAME_HEADER,
+    ADAPTER_ROUTE,
     CANARY_ROUTE,
     FINGERPRINT_HEADER,
     SAMPLING_HEADER,
@@ -47,7 +59,7 @@ from isoexec.contract.served import (
 )
 from isoexec.vllm.served_handshake import served_handshake
 
-ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE)
+ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE, ADAPTER_ROUTE)
 # The OpenAI routes whose responses carry the `SamplingRecord` header.
 SAMPLED = ("/v1/completions", "/v1/chat/completions")
 # Paths that compute no sample: served before the canary passes.
@@ -127,6 +139,8 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     if path == CANARY_ROUTE:
         assert settings is not None
         return await _canary(request, engine, settings, token)
+    if path == ADAPTER_ROUTE:
+        return await _adapter(request, engine)
     if request.method != "POST":
         return error(405, f"{WEIGHTS_ROUTE} takes POST")
     body = await request.body()
@@ -182,8 +196,11 @@ async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitab
         return await call_next(request)  # vLLM answers a malformed body itself
     if temperature is None:
         temperature = model_config.get_diff_sampling_param().get("temperature", 1.0)
+    name = body.get("model") if isinstance(body, dict) else None
+    adapters = _serving_models(request).lora_requests
+    adapter = name if isinstance(name, str) and name in adapters else None
     record = SamplingRecord(float(temperature), str(model_config.logprobs_mode),
-                            GATE.weights_version)  # fmt: skip
+                            GATE.weights_version, adapter)  # fmt: skip
     response = await call_next(request)
     response.headers[SAMPLING_HEADER] = record.to_header()
     return response
@@ -204,23 +221,36 @@ async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: s
     if request.method != "POST":
         return _json_error(405, f"{CANARY_ROUTE} takes POST")
     try:
-        version = int(json.loads(await request.body())["weights_version"])
-    except (ValueError, KeyError, TypeError):
-        return _json_error(400, 'the body must be {"weights_version": <int>}')
+        body = json.loads(await request.body())
+        version = int(body["weights_version"])
+        adapter = body.get("adapter")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return _json_error(400, 'the body must be {"weights_version": <int>, "adapter": ...}')
+    lora = None
+    if adapter is not None:
+        lora = _serving_models(request).lora_requests.get(adapter)
+        if lora is None:
+            return _json_error(404, f"no adapter {adapter!r} is served (push it first)")
     if version != GATE.weights_version:
         return _json_error(409, f"this engine holds weights version {GATE.weights_version}, "
                                 f"not {version}")  # fmt: skip
     probe = canary.probe_for(request.app.state.vllm_config, settings.run_id)
 
-    async def run(prompt: list[int], params: Any) -> Any:
+    async def run(prompt: list[int], params: Any, under: Any) -> Any:
         last = None
         rid = f"isoexec-canary-{uuid.uuid4().hex}"
-        async for out in engine.generate(TokensPrompt(prompt_token_ids=prompt), params, rid):
+        gen = engine.generate(
+            TokensPrompt(prompt_token_ids=prompt), params, rid, lora_request=under
+        )
+        async for out in gen:
             last = out
         return last
 
     started = time.perf_counter()
-    outs = await asyncio.gather(*(run(p, sp) for p, sp in canary.canary_batch(probe)))
+    batch = canary.canary_batch(probe)  # the probe (and every other request) under the adapter
+    outs = await asyncio.gather(
+        *(run(p, sp, lora if i % 2 == 0 else None) for i, (p, sp) in enumerate(batch))
+    )
     values = canary.probe_logprobs(probe, outs[0].prompt_logprobs)
     scored = time.perf_counter() - started
     try:
@@ -238,6 +268,67 @@ async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: s
     print(f"isoexec: {verdict['summary']} (engine scored it in {scored * 1e3:.0f} ms)",
           flush=True)  # fmt: skip
     return JSONResponse(verdict)
+
+
+def _serving_models(request: Any) -> Any:
+    return request.app.state.openai_serving_models
+
+
+_ADAPTER_DIRS: list[str] = []  # kept for the server's life: vLLM re-reads an evicted adapter
+
+
+async def _adapter(request: Any, engine: Any) -> Any:
+    """Announce a pushed adapter on every worker, then load it through vLLM's own adapter
+    loading (the adapter gate checks it); sampling waits for its canary."""
+    import atexit
+    import json
+    import shutil
+
+    from fastapi.responses import JSONResponse
+
+    from vllm.entrypoints.serve.lora.protocol import LoadLoRAAdapterRequest
+
+    if request.method != "POST":
+        return _json_error(405, f"{ADAPTER_ROUTE} takes POST")
+    body = await request.body()
+    name = request.headers.get(ADAPTER_NAME_HEADER, "").strip()
+    fingerprint = request.headers.get(FINGERPRINT_HEADER, "").strip()
+    try:
+        config = json.loads(request.headers.get(ADAPTER_CONFIG_HEADER, ""))
+        if not isinstance(config, dict):
+            raise ValueError("not an object")
+    except ValueError as e:
+        return _json_error(400, f"the {ADAPTER_CONFIG_HEADER} header is not a JSON object: {e}")
+    if not name or not fingerprint:
+        return _json_error(400, f"the {ADAPTER_NAME_HEADER} and {FINGERPRINT_HEADER} headers "
+                                "are required")  # fmt: skip
+    models = _serving_models(request)
+    if name in models.lora_requests:
+        return _json_error(409, f"an adapter named {name!r} is served already: push each "
+                                "synced adapter under a new name")  # fmt: skip
+    directory = tempfile.mkdtemp(prefix="isoexec-adapter-")
+    if not _ADAPTER_DIRS:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _ADAPTER_DIRS])
+    _ADAPTER_DIRS.append(directory)
+    (Path(directory) / "adapter_model.safetensors").write_bytes(body)
+    (Path(directory) / "adapter_config.json").write_text(json.dumps(config))
+    try:
+        await engine.collective_rpc("isoexec_expect_adapter", args=(name, fingerprint))
+    except Exception as e:  # no MATCH: nothing announced, nothing loaded
+        lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
+        return _json_error(409, lines[-1] if lines else type(e).__name__)
+    loaded = await models.load_lora_adapter(
+        LoadLoRAAdapterRequest(lora_name=name, lora_path=directory)
+    )
+    if not isinstance(loaded, str):  # vLLM's ErrorResponse: the gate (or vLLM) refused
+        message = getattr(getattr(loaded, "error", None), "message", None) or str(loaded)
+        lines = [ln for ln in message.strip().splitlines() if ln.strip()]
+        return _json_error(409, lines[-1] if lines else message)
+    GATE.weights_version += 1
+    GATE.cleared = False
+    GATE.reason = (f"adapter {name!r} (weights version {GATE.weights_version}) has not passed "
+                   "a canary")  # fmt: skip
+    return JSONResponse({"name": name, "weights_version": GATE.weights_version})
 
 
 __all__ = ["isoexec_routes"]
