@@ -17,14 +17,13 @@ refused when the adapter is attached.
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from isoexec.contract.adapter import AdapterConfig, LoraAdapterError, adapter_fingerprint
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops import fold_scaling, lora_apply, pad_rank
 from isoexec.contract.tiny_lora import PEFT_PREFIX
@@ -51,58 +50,6 @@ _CONTRACT_SITE = {
     "mlp.linear_fc1": "mlp.gate_up_proj",
     "mlp.linear_fc2": "mlp.down_proj",
 }
-
-
-class LoraAdapterError(ValueError):
-    """An adapter the trainer cannot apply canonically, or a malformed adapter directory."""
-
-
-@dataclass(frozen=True)
-class AdapterConfig:
-    """What an adapter's `adapter_config.json` says that changes the bits."""
-
-    rank: int
-    alpha: float
-    targets: tuple[str, ...]
-    use_rslora: bool = False
-
-    @property
-    def scaling(self) -> float:
-        """PEFT's (and vLLM's) scaling: alpha / r, or alpha / sqrt(r) with rsLoRA."""
-        return self.alpha / (math.sqrt(self.rank) if self.use_rslora else self.rank)
-
-    @staticmethod
-    def read(adapter_dir: str | Path) -> AdapterConfig:
-        path = Path(adapter_dir) / "adapter_config.json"
-        try:
-            cfg = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise LoraAdapterError(f"{path}: not a readable adapter config: {e}") from None
-        if cfg.get("peft_type", "LORA") != "LORA":
-            raise LoraAdapterError(f"{path}: peft_type {cfg.get('peft_type')!r} is not LORA")
-        targets = cfg.get("target_modules")
-        if isinstance(targets, str) or not targets:
-            raise LoraAdapterError(f"{path}: target_modules must be a list of module names")
-        for key, neutral in (("bias", "none"), ("fan_in_fan_out", False)):
-            if cfg.get(key, neutral) != neutral:
-                raise LoraAdapterError(f"{path}: {key}={cfg[key]!r} is not supported")
-        for key in ("modules_to_save", "layers_to_transform", "rank_pattern", "alpha_pattern"):
-            if cfg.get(key):
-                raise LoraAdapterError(f"{path}: {key} is not supported")
-        if cfg.get("use_dora"):
-            raise LoraAdapterError(f"{path}: DoRA is not supported")
-        unknown = sorted(set(targets) - set(_TARGETS))
-        if unknown:
-            raise LoraAdapterError(
-                f"{path}: target modules {unknown} have no canonical trainer LoRA site "
-                f"(supported: {sorted(_TARGETS)})"
-            )
-        return AdapterConfig(
-            rank=int(cfg["r"]),
-            alpha=float(cfg["lora_alpha"]),
-            targets=tuple(sorted(targets)),
-            use_rslora=bool(cfg.get("use_rslora", False)),
-        )
 
 
 def _slice_widths(module: torch.nn.Module, path: str) -> list[int]:
@@ -196,11 +143,10 @@ class TrainerLora:
         return out
 
     def fingerprint(self) -> str:
-        """The adapter's `WeightFingerprint` (PEFT names, the model's dtype): what the engine's
-        adapter gate compares the adapter it loads against (`isoexec.vllm.adapter_gate`)."""
-        from isoexec.contract.fingerprint import WeightFingerprint
-
-        return WeightFingerprint.of(self.state_dict()).digest
+        """The adapter's fingerprint (its config and its tensors under PEFT's names, in the
+        model's dtype): what the engine's adapter gate compares the adapter it loads against
+        (`isoexec.contract.adapter`, `isoexec.vllm.adapter_gate`)."""
+        return adapter_fingerprint(self.state_dict(), self.config)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors under PEFT's names (detached copies)."""

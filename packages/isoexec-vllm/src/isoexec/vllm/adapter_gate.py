@@ -30,7 +30,6 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.vllm.weight_gate import WeightSyncRefusedError, require_match
 
 ADAPTER_FILE = "adapter_model.safetensors"
@@ -46,12 +45,20 @@ class AdapterRefusedError(WeightSyncRefusedError):
 
 
 def adapter_fingerprint(path: str | Path, dtype: torch.dtype) -> str:
-    """Fingerprint of the PEFT adapter in directory `path` as held in `dtype` (vLLM converts
-    adapters to its LoRA dtype, the model's; the trainer holds them in the model's dtype).
-    Refuses an adapter on the lm head or the embedding (no trainer applies those)."""
+    """Fingerprint of the PEFT adapter in directory `path` (its config and its tensors as held
+    in `dtype`: vLLM converts adapters to its LoRA dtype, the model's; the trainer holds them
+    in the model's dtype). Refuses an adapter on the lm head or the embedding, and a config
+    the canonical op does not compute (`AdapterConfig`)."""
     from safetensors.torch import load_file
 
+    from isoexec.contract.adapter import AdapterConfig, LoraAdapterError
+    from isoexec.contract.adapter import adapter_fingerprint as fingerprint
     from isoexec.vllm.lora import UNCOVERED_TARGETS
+
+    try:
+        config = AdapterConfig.read(path)
+    except LoraAdapterError as e:
+        raise AdapterRefusedError(f"adapter refused: {e}") from None
 
     file = Path(path) / ADAPTER_FILE
     if not file.is_file():
@@ -63,7 +70,7 @@ def adapter_fingerprint(path: str | Path, dtype: torch.dtype) -> str:
             f"adapter {path} targets {uncovered}: no canonical trainer LoRA there (adapters on "
             "the attention and MLP projections only)"
         )
-    return WeightFingerprint.of({k: v.to(dtype) for k, v in tensors.items()}).digest
+    return fingerprint({k: v.to(dtype) for k, v in tensors.items()}, config)
 
 
 def expect_adapter(name: str, fingerprint: str) -> None:

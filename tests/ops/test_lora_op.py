@@ -101,3 +101,18 @@ def test_embedding_expand_by_slot_is_per_row() -> None:
 def test_the_contract_records_the_padded_rank() -> None:
     assert get_impl("lora", rank=16) != get_impl("lora", rank=8)
     assert get_impl("lora").param_dict()["scaling"] == "folded-into-b"
+
+
+def test_adapter_fingerprint_covers_the_config_and_the_tensors() -> None:
+    """The same tensors under another alpha are another adapter (vLLM folds alpha / r into B)."""
+    from isoexec.contract.adapter import SUPPORTED_TARGETS, AdapterConfig, adapter_fingerprint
+    from isoexec.contract.tiny_lora import LORA_TARGETS
+
+    assert set(LORA_TARGETS) == set(SUPPORTED_TARGETS)
+    t = {"a": torch.ones(2, 3)}
+    base = AdapterConfig(rank=8, alpha=16.0, targets=("q_proj",))
+    fp = adapter_fingerprint(t, base)
+    assert fp == adapter_fingerprint({"a": torch.ones(2, 3)}, base)
+    assert fp != adapter_fingerprint(t, AdapterConfig(rank=8, alpha=32.0, targets=("q_proj",)))
+    assert fp != adapter_fingerprint({"a": torch.full((2, 3), 2.0)}, base)
+    assert AdapterConfig(8, 16.0, ("q_proj",), use_rslora=True).scaling == 16.0 / 8**0.5
