@@ -352,6 +352,7 @@ def test_served_adapter_push_canary_and_bitwise(
         SamplingRecordError,
         WeightPushError,
         push_adapter,
+        served_status,
     )
     from isoexec.megatron import score_sampled
     from isoexec.megatron.canary import canary_with_served_engine
@@ -382,6 +383,8 @@ def test_served_adapter_push_canary_and_bitwise(
                     push_adapter(url, token, "policy-0", tensors, cfg, "0" * 64)
                 reply = push_adapter(url, token, "policy-0", tensors, cfg, lora.fingerprint())
                 version = reply["weights_version"]
+                (status,) = served_status(url, token)  # the adapter beside the weights
+                assert status["adapters"] == {"policy-0": lora.fingerprint()}
                 oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
                 def complete(name: str, prompt: list[int]) -> Any:

@@ -47,7 +47,7 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
             call()
     (status,) = engine.call("collective_rpc", "isoexec_gate_status")
     assert status == {"rank": 0, "cleared": False, "last_verdict": None, "gated_loads": 0,
-                      "last_fingerprint": None}  # fmt: skip
+                      "last_fingerprint": None, "adapters": {}}  # fmt: skip
 
     trainer = trainer_factory(model, "float32")
     token = "t" * 32
@@ -60,7 +60,7 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
         (status,) = engine.call("collective_rpc", "isoexec_gate_status")
     held = WeightFingerprint.of(export_hf_weights(trainer)).digest
     assert status == {"rank": 0, "cleared": True, "last_verdict": "MATCH", "gated_loads": 2,
-                      "last_fingerprint": held}  # fmt: skip
+                      "last_fingerprint": held, "adapters": {}}  # fmt: skip
     # The service is gone: the MATCH can no longer be confirmed, so the gate refuses again.
     with pytest.raises(EngineError, match="refused"):
         engine.call("collective_rpc", framework_load_weights)

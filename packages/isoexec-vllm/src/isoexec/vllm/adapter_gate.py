@@ -36,6 +36,9 @@ ADAPTER_FILE = "adapter_model.safetensors"
 # adapter name -> the trainer's fingerprint of the adapter, announced after this worker's MATCH
 # (by name: the OpenAI server's /v1/load_lora_adapter takes a name and picks the id itself)
 EXPECTED: dict[str, str] = {}
+# adapter name -> fingerprint of every adapter this worker loaded through the gate (reported
+# beside the weights' fingerprint by `isoexec_gate_status`)
+LOADED: dict[str, str] = {}
 # Frontend: ids of the adapters added through the engine's add_lora (they passed the gate).
 ADDED: set[int] = set()
 
@@ -98,6 +101,7 @@ def check_adapter_load(manager: Any, lora_request: Any) -> None:
             f"LoRA adapter {name!r} (id {int_id}) refused: its tensors hash to {got[:16]}…, "
             f"the trainer announced {want[:16]}… (another adapter, or a partial write)"
         )
+    LOADED[name] = got
 
 
 def record_added(lora_request: Any, loaded: bool) -> None:
@@ -124,6 +128,7 @@ def check_request_adapter(lora_request: Any) -> None:
 __all__ = [
     "ADDED",
     "EXPECTED",
+    "LOADED",
     "AdapterRefusedError",
     "adapter_fingerprint",
     "check_adapter_load",

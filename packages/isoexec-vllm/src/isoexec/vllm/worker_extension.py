@@ -115,8 +115,11 @@ class IsoWorkerExtension:
 
     def isoexec_gate_status(self) -> dict[str, Any]:
         """Whether this worker is cleared, the verdict of its last offer (at startup for a
-        served engine, or through `isoexec_handshake`), how many gated loads it took, and the
-        fingerprint recorded after the last one."""
+        served engine, or through `isoexec_handshake`), how many gated loads it took, the
+        fingerprint recorded after the last one, and the adapters it loaded through the
+        adapter gate with their fingerprints."""
+        from isoexec.vllm.adapter_gate import LOADED
+
         st = weight_gate.STATE
         return {
             "rank": int(getattr(self, "rank", 0)),
@@ -124,6 +127,7 @@ class IsoWorkerExtension:
             "last_verdict": st.last_verdict,
             "gated_loads": st.gated_loads,
             "last_fingerprint": st.last_fingerprint,
+            "adapters": dict(LOADED),  # name -> fingerprint of each adapter loaded via the gate
         }
 
     def isoexec_param_shapes(self) -> list[tuple[str, list[int], str]]:
