@@ -76,15 +76,34 @@ def test_check_setup_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_arm_settings_give_both_sides_the_backend() -> None:
-    options, engine = pair.arm_settings("/m", "bfloat16", isoexec=True, seed=3, backend="triton")
+    run = pair.PairRun("/m", "bfloat16", seed=3, backend="triton")
+    options, engine = pair.arm_settings(run, isoexec=True)
     assert options == IsoExecOptions(backend="triton")
     assert engine.options is options and engine.isoexec and engine.seed == 3
-    options, engine = pair.arm_settings("/m", "float32", isoexec=True, seed=0, backend="triton",
-                                        engine_tp=2)  # fmt: skip
+    assert engine.lora is None and not engine.enforce_eager and engine.log_file is None
+    tp2 = pair.PairRun("/m", "float32", backend="triton", engine_tp=2)
+    options, engine = pair.arm_settings(tp2, isoexec=True, lora_rank=16)
     assert options == IsoExecOptions(tp_invariant=True, backend="triton") == engine.options
+    assert engine.lora == (16, 1)
     # the stock arm is stock on both sides, whatever the backend
-    options, engine = pair.arm_settings("/m", "float32", isoexec=False, seed=0, backend="triton")
+    options, engine = pair.arm_settings(pair.PairRun("/m", backend="triton"), isoexec=False)
     assert options == IsoExecOptions() == engine.options and not engine.isoexec
+
+
+def test_pair_run_from_the_cli_arguments(tmp_path: Path) -> None:
+    """The CLI's arguments become one `PairRun`: --locate traces in OUT/locate with an eager
+    engine, and the engine logs go to OUT unless --verbose."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    pair.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["pair", "--out", str(tmp_path), "--locate", "--engine-tp", "2"])
+    run = pair.PairRun.from_args(args, "/m")
+    assert run.engine_tp == 2 and run.locate_dir == tmp_path / "locate"
+    assert run.engine_log("stock") == str(tmp_path / "engine-stock.log")
+    assert pair.arm_settings(run, isoexec=True)[1].enforce_eager
+    verbose = pair.PairRun.from_args(parser.parse_args(["pair", "--verbose"]), "/m")
+    assert verbose.engine_log("isoexec") is None and verbose.locate_dir is None
 
 
 class _Stop(Exception):
@@ -122,8 +141,9 @@ def test_run_arm_puts_the_trainer_on_the_device_with_the_engines_options(
     monkeypatch.setattr(trainer, "megatron_parallel", parallel)
     monkeypatch.setattr(trainer, "build_model", build_model)
     with pytest.raises(_Stop):
-        pair.run_arm(str(tmp_path), "bfloat16", isoexec=True, num_prompts=2, max_tokens=2,
-                     seed=0, backend="triton", device="cuda")  # fmt: skip
+        run = pair.PairRun(str(tmp_path), "bfloat16", num_prompts=2, max_tokens=2,
+                           backend="triton", device="cuda")  # fmt: skip
+        pair.run_arm(run, isoexec=True)
     assert seen["parallel"] == {"device": "cuda"}
     assert seen["build"]["options"] is seen["engine"].options
     assert seen["engine"].options.backend == "triton" and seen["engine"].isoexec
@@ -131,6 +151,6 @@ def test_run_arm_puts_the_trainer_on_the_device_with_the_engines_options(
     seen.clear()
     _fake_cuda(monkeypatch, 0)
     with pytest.raises(pair.PairSetupError, match="CUDA is not available"):
-        pair.run_arm(str(tmp_path), "bfloat16", isoexec=True, num_prompts=2, max_tokens=2,
-                     seed=0, device="cuda")  # fmt: skip
+        pair.run_arm(pair.PairRun(str(tmp_path), "bfloat16", num_prompts=2, max_tokens=2,
+                                  device="cuda"), isoexec=True)  # fmt: skip
     assert seen == {}

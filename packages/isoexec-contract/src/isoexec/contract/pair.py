@@ -39,6 +39,7 @@ from isoexec.contract.pair_report import (
 from isoexec.contract.pair_setup import (
     BACKENDS,
     DEVICES,
+    PairRun,
     PairSetupError,
     arm_settings,
     check_setup,
@@ -62,36 +63,17 @@ TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 
 
-def run_arm(
-    model_dir: str,
-    dtype: str,
-    *,
-    isoexec: bool,
-    num_prompts: int,
-    max_tokens: int,
-    seed: int,
-    locate_dir: Path | None = None,
-    engine_tp: int = 1,
-    trainer_tp: int = 1,
-    trainer_pp: int = 1,
-    verbose: bool = False,
-    log_dir: Path | None = None,
-    backend: str = "torch",
-    device: str = "cpu",
-    lora: str | None = None,
-) -> ArmResult:
-    """One arm. `engine_tp` > 1 runs the engine at that TP (vLLM's executor); a trainer with
-    `trainer_tp` x `trainer_pp` > 1 scores on a torchrun world of that many ranks (pipeline
-    stages through Megatron's schedule), each offering its own contract. With a TP above 1 the
+def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
+    """One arm of `run`. An engine TP above 1 runs vLLM's executor; a trainer of
+    trainer_tp x trainer_pp > 1 scores on a torchrun world of that many ranks (pipeline stages
+    through Megatron's schedule), each offering its own contract. With a TP above 1 the
     isoexec arm runs `tp_invariant` on both sides (the only canonical form across TP
-    degrees). `backend` is the isoexec arm's kernels on both sides; `device` is where the
+    degrees). The backend is the isoexec arm's kernels on both sides; the device is where the
     trainer is built and runs ("cpu": gloo; "cuda": NCCL, one GPU per trainer rank); both are
-    checked (`check_setup`) before the engine starts. `lora`: a PEFT adapter directory; the
-    isoexec arm attaches it to the trainer, loads it into the engine through the adapter gate
-    after MATCH, runs both canaries under it and samples every prompt under it (TP=1, the
-    in-process trainer; the stock arm has no trainer LoRA to compare with)."""
-    import dataclasses
-
+    checked (`check_setup`) before the engine starts. With `run.lora` (a PEFT adapter
+    directory) the isoexec arm attaches it to the trainer, loads it into the engine through the
+    adapter gate after MATCH, runs both canaries under it and samples every prompt under it
+    (TP=1, the in-process trainer; the stock arm has no trainer LoRA to compare with)."""
     import torch
 
     from isoexec.megatron import (
@@ -102,34 +84,31 @@ def run_arm(
         trainer_contract,
     )
 
-    check_setup(device, backend, trainer_ranks=trainer_tp * trainer_pp)
-    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    prompts = make_prompts(num_prompts, int(text_config(hf_config)["vocab_size"]), seed)
+    check_setup(run.device, run.backend, trainer_ranks=run.trainer_ranks)
+    hf_config = json.loads((Path(run.model_dir) / "config.json").read_text())
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[run.dtype]
+    vocab = int(text_config(hf_config)["vocab_size"])
+    prompts = make_prompts(run.num_prompts, vocab, run.seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     arm = "isoexec" if isoexec else "stock"
-    options, engine_cfg = arm_settings(
-        model_dir, dtype, isoexec=isoexec, seed=seed, backend=backend, engine_tp=engine_tp,
-        trainer_tp=trainer_tp,
-        # --locate traces the engine per site: module hooks need eager mode (compiled and eager
-        # engines compute the same bits, tests/vllm/test_compiled_engine.py)
-        eager=locate_dir is not None,
-        log_file=None if verbose or log_dir is None else str(log_dir / f"engine-{arm}.log"),
-    )  # fmt: skip
-    if lora is not None:
+    lora_rank = None
+    if run.lora is not None:
         if not isoexec:
             raise LoraArmError("no stock arm with --lora: stock Megatron-core has no adapter "
                                "layers to score the engine's samples with")  # fmt: skip
-        if max(engine_tp, trainer_tp, trainer_pp) > 1:
+        if max(run.engine_tp, run.trainer_ranks) > 1:
             raise LoraArmError("--lora runs the engine and the trainer at TP=1, PP=1")
-        engine_cfg = dataclasses.replace(engine_cfg, lora=(lora_rank_for(lora), 1))
-    if trainer_tp * trainer_pp > 1:
+        lora_rank = lora_rank_for(run.lora)
+    options, engine_cfg = arm_settings(run, isoexec=isoexec, lora_rank=lora_rank)
+    model_dir, dtype, device, max_tokens = run.model_dir, run.dtype, run.device, run.max_tokens
+    locate_dir, lora = run.locate_dir, run.lora
+    if run.trainer_ranks > 1:
         if locate_dir is not None:
             raise ValueError("--locate traces an in-process trainer: use --trainer-tp/-pp 1")
         with _started(engine_cfg, arm) as (engine, timings):
             return _torchrun_arm(
-                engine, model_dir, dtype, isoexec=isoexec, options=options, tp=trainer_tp,
-                pp=trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
+                engine, model_dir, dtype, isoexec=isoexec, options=options, tp=run.trainer_tp,
+                pp=run.trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
                 timings=timings, device=device,
             )  # fmt: skip
     with _started(engine_cfg, arm) as (engine, timings), megatron_parallel(device=device):
@@ -458,20 +437,14 @@ def missing_sides(sides: tuple[tuple[str, str], ...] = SIDES) -> list[str]:
     return missing
 
 
-def _run_named_arm(args: argparse.Namespace, arm: str, model_dir: str, out: Path) -> ArmResult:
+def _run_named_arm(run: PairRun, arm: str) -> ArmResult:
     """One arm as the CLI asked for it. A stock arm that cannot run (stock vLLM-CPU's own GDN
     kernel takes bf16 and one head width only) is reported in the table, not raised: it is the
     reference, the isoexec arm decides the exit code."""
     from isoexec.vllm.engine_process import EngineError
 
     try:
-        return run_arm(
-            model_dir, args.dtype, isoexec=arm == "isoexec", num_prompts=args.num_prompts,
-            max_tokens=args.max_tokens, seed=args.seed,
-            locate_dir=out / "locate" if args.locate else None, engine_tp=args.engine_tp,
-            trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, verbose=args.verbose,
-            log_dir=out, backend=args.backend, device=args.device, lora=args.lora,
-        )  # fmt: skip
+        return run_arm(run, isoexec=arm == "isoexec")
     except LoraArmError as e:
         if arm == "isoexec":
             raise
@@ -529,7 +502,8 @@ def run(args: argparse.Namespace) -> int:
 
         warnings.filterwarnings("ignore")
         logging.getLogger("megatron").setLevel(logging.ERROR)
-    results = [_run_named_arm(args, arm, model_dir, out) for arm in args.arms.split(",")]
+    settings = PairRun.from_args(args, model_dir)  # one object for the run, its arms and report
+    results = [_run_named_arm(settings, arm) for arm in args.arms.split(",")]
     name = args.model or args.preset
     table = format_table(name, args.dtype, results)
     print(table, flush=True)
@@ -556,6 +530,7 @@ __all__ = [  # the shared steps are re-exported: callers import them from here
     "DEVICES",
     "PRESETS",
     "ArmResult",
+    "PairRun",
     "PairSetupError",
     "add_parser",
     "align",
