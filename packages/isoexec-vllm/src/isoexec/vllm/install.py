@@ -36,7 +36,12 @@ def install_plugin() -> None:
     )
     from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.sampler import install_sampler
-    from isoexec.vllm.weight_gate import refuse_ungated_transfer_backends, register_gated_models
+    from isoexec.vllm.served_handshake import offer_when_loaded
+    from isoexec.vllm.weight_gate import (
+        on_first_load,
+        refuse_ungated_transfer_backends,
+        register_gated_models,
+    )
 
     enable_packed_weight_cache()
     register_layers()
@@ -50,6 +55,7 @@ def install_plugin() -> None:
     gate_adapter_loads(check_adapter_load)  # every adapter load needs MATCH and its fingerprint
     admit_lora_requests(check_request_adapter, record_added, record_removed)  # frontend
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
+    on_first_load(offer_when_loaded)  # a served engine offers its contract once loaded
     refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
     _INSTALLED = True
 

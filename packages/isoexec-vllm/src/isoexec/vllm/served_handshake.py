@@ -1,8 +1,10 @@
 """A served worker offers its contract as soon as it has loaded its checkpoint.
 
 Given `additional_config[HANDSHAKE_CONFIG_KEY]` (`isoexec.contract.served.ServedHandshake`),
-the gated model's first `load_weights` (the checkpoint the engine starts from; again in a
-restarted worker) calls `offer_when_loaded`: the settings and the token file are checked there
+`offer_when_loaded` runs as a first-load hook of the weight gate (registered at install,
+`weight_gate.on_first_load`; the gate itself starts nothing) once the gated model's first
+`load_weights` (the checkpoint the engine starts from; again in a restarted worker) is in: the
+settings and the token file are checked there
 (a malformed setting stops the engine from starting, loudly), and a background thread reads the
 worker's contract back and offers it, so the engine finishes starting while the service waits
 for the trainer. The worker is cleared for weights only on MATCH (`weight_gate`); the verdict

@@ -18,7 +18,7 @@ The gate state is per process: a vLLM worker process holds one worker.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +54,16 @@ class GateState:
 
 
 STATE = GateState()
+# Called once a gated model's first load (the checkpoint it starts from) is in, with the model
+# and its vLLM config: what else starts then registers here (the served handshake's offer,
+# `served_handshake.offer_when_loaded`), so the gate itself starts nothing.
+FIRST_LOAD_HOOKS: list[Callable[[Any, Any], Any]] = []
+
+
+def on_first_load(hook: Callable[[Any, Any], Any]) -> None:
+    """Run `hook(model, vllm_config)` after every gated model's first load (once per hook)."""
+    if hook not in FIRST_LOAD_HOOKS:
+        FIRST_LOAD_HOOKS.append(hook)
 
 
 def grant(clearance: Clearance) -> None:
@@ -101,10 +111,9 @@ class GatedLoadWeights:
         if gated:
             require_match(f"{type(self).__name__}.load_weights")
         out = super().load_weights(weights)  # type: ignore[misc]
-        if not gated:  # the checkpoint is in: a served engine offers its contract now
-            from isoexec.vllm.served_handshake import offer_when_loaded
-
-            offer_when_loaded(self, _vllm_config(self))  # type: ignore[arg-type]
+        if not gated:  # the checkpoint is in: e.g. a served engine offers its contract now
+            for hook in FIRST_LOAD_HOOKS:
+                hook(self, _vllm_config(self))
         self._isoexec_loaded_once = True
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         if gated:
