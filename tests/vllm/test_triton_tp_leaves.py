@@ -19,7 +19,7 @@ import vllm.config
 from isoexec.contract import ops
 from isoexec.contract.ops.triton import get_triton_impl
 from isoexec.contract.ops.triton.selfcheck import in_order_gather
-from isoexec.vllm import layers
+from isoexec.vllm import collectives, layers
 
 
 def test_triton_tp_invariant_method_records_and_calls_the_triton_leaves(
@@ -47,5 +47,5 @@ def test_triton_tp_invariant_method_records_and_calls_the_triton_leaves(
 
     monkeypatch.setattr(ops.backend_ops("triton"), "linear_tp_shard", spy)
     out = method.apply(SimpleNamespace(tp_size=2, weight=w[:, :32]), x[:, :32], bias)
-    assert calls == [(2, layers.gather_leaves)]
+    assert calls == [(2, collectives.gather_leaves)]
     assert torch.equal(out, ops.linear_tp_invariant(x, w, bias))

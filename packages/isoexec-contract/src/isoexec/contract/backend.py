@@ -11,7 +11,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from isoexec.contract.contract import BackendIdentity
+from isoexec.contract.contract_types import BackendIdentity
 
 # CPU features that select different vector kernels (x86 `flags`, Arm `Features`).
 ISA_FLAGS: frozenset[str] = frozenset(

@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
+from isoexec.contract.backend import detect_backend
 from isoexec.contract.contract_errors import ContractError, SchemaVersionError
 from isoexec.contract.contract_json import (
     _exact_keys,
@@ -56,15 +56,19 @@ from isoexec.contract.contract_json import (
     _str,
     canonical_json,
 )
+from isoexec.contract.contract_types import (  # re-exported: callers import them from here
+    KNOWN_SCHEMA_VERSIONS,
+    SCHEMA_VERSION,
+    TP_INVARIANT,
+    BackendIdentity,
+    Dtypes,
+    ModelIdentity,
+    SiteRecord,
+    site_sort_key,
+)
+from isoexec.contract.contract_validate import validate
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.parallel_layout import SERIAL_LAYOUT, ParallelLayout, ParallelLayoutError
-
-SCHEMA_VERSION = 2
-KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
-TP_INVARIANT = "invariant"
-
-_SITE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.:\-/\[\]]*$")
-_HEX = re.compile(r"^[0-9a-f]+$")
 
 
 class HasNameOp(Protocol):
@@ -74,76 +78,6 @@ class HasNameOp(Protocol):
     def name(self) -> str: ...
     @property
     def op(self) -> str: ...
-
-
-# --------------------------------------------------------------------------------------------
-# Types
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """Which model: architecture, a digest of the numerics-relevant config, layer kinds.
-
-    `config_digest` should come from `config_digest(...)` over the config fields that change
-    bits (hidden size, eps, rope theta, head counts, …), not the whole config (paths, names).
-    """
-
-    architecture: str
-    config_digest: str
-    layer_kinds: tuple[str, ...] = ()
-
-
-@dataclass(frozen=True)
-class Dtypes:
-    """Dtypes that change bits. `None` means "not applicable" (e.g. no recurrent state)."""
-
-    params: str
-    activations: str
-    residual: str
-    kv_cache: str | None
-    recurrent_state: str | None
-    logprobs: str
-
-
-@dataclass(frozen=True)
-class BackendIdentity:
-    """The software/hardware under the ops: a CPU ISA or GPU arch changes kernels and bits.
-
-    `threads` is recorded only where a backend depends on it (canonical ops do not), else None.
-    `triton` only when a Triton kernel is installed, `cuda` only on CUDA devices.
-    """
-
-    torch: str
-    device_kind: str
-    arch: str
-    triton: str | None = None
-    cuda: str | None = None
-    threads: int | None = None
-
-
-@dataclass(frozen=True)
-class SiteRecord:
-    """One place in the model where an op runs, and the impl actually installed there."""
-
-    name: str
-    impl: ImplInfo
-    tp: str = "1"  # "invariant" or the TP degree the site ran at
-
-    @property
-    def tp_invariant(self) -> bool:
-        return self.tp == TP_INVARIANT
-
-
-def site_sort_key(name: str) -> tuple[tuple[int, int | str], ...]:
-    """Numeric-aware order of site names (`layers.2` before `layers.10`); the order of loaded
-    contracts and of diffs when no model order is known."""
-    parts: list[tuple[int, int | str]] = []
-    for piece in re.split(r"(\d+)", name):
-        if piece == "":
-            continue
-        parts.append((0, int(piece)) if piece.isdigit() else (1, piece))
-    return tuple(parts)
 
 
 @dataclass(frozen=True, eq=False)
@@ -158,8 +92,6 @@ class Contract:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        from isoexec.contract.contract_validate import validate
-
         validate(self)
 
     # -- canonical form ---------------------------------------------------------------------
@@ -426,8 +358,6 @@ class ContractBuilder:
                     )
         backend = self.backend
         if backend is None:
-            from isoexec.contract.backend import detect_backend
-
             uses_triton = any(s.impl.backend.startswith("triton") for s in self._sites.values())
             backend = detect_backend(uses_triton=uses_triton)
         parallel = self.parallel

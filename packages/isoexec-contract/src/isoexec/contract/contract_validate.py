@@ -5,18 +5,21 @@ their op, a TP record that contradicts the parallel layout)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from isoexec.contract.contract import (
+from isoexec.contract.contract_errors import ContractError, SchemaVersionError
+from isoexec.contract.contract_types import (
     _HEX,
     _SITE_NAME,
     KNOWN_SCHEMA_VERSIONS,
     TP_INVARIANT,
-    Contract,
     SiteRecord,
 )
-from isoexec.contract.contract_errors import ContractError, SchemaVersionError
 from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
 from isoexec.contract.parallel_layout import ParallelLayout
+
+if TYPE_CHECKING:
+    from isoexec.contract.contract import Contract
 
 
 def validate(c: Contract) -> None:

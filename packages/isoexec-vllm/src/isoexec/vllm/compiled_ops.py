@@ -107,7 +107,7 @@ def _linear_tp_shard(
 ) -> Tensor:
     """Row-parallel TP-invariant linear at TP>1: the leaves are gathered over vLLM's TP group
     inside the op (an exact all-gather), so the collective is part of the opaque call."""
-    from isoexec.vllm.layers import gather_leaves
+    from isoexec.vllm.collectives import gather_leaves
 
     out = _mod(backend).linear_tp_shard(x, weight, bias, tp=tp, all_gather=gather_leaves)
     return _own(out, x, weight, bias)

@@ -153,14 +153,7 @@ class CanonicalTPInvariantLinearMethod(CanonicalLinearMethod):
         tp = int(getattr(layer, "tp_size", 1))
         if tp == 1:
             return self.ops.linear_tp_invariant(x, layer.weight, bias)
-        return self.ops.linear_tp_shard(x, layer.weight, bias, tp=tp)  # leaves: gather_leaves
-
-
-def gather_leaves(parts: torch.Tensor) -> torch.Tensor:
-    """[G/tp, M, N] on each rank -> [G, M, N] in rank order (vLLM's exact all-gather)."""
-    from vllm.distributed import tensor_model_parallel_all_gather
-
-    return tensor_model_parallel_all_gather(parts.contiguous(), dim=0)
+        return self.ops.linear_tp_shard(x, layer.weight, bias, tp=tp)  # collectives.gather_leaves
 
 
 def _row_parallel_forward(self: Any, input_: torch.Tensor) -> Any:
