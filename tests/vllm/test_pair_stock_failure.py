@@ -4,7 +4,6 @@ isoexec arm that fails still raises."""
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +18,8 @@ UPSTREAM = (
 )
 
 
-def _args() -> argparse.Namespace:
-    return argparse.Namespace(dtype="float32", num_prompts=2, max_tokens=2, seed=0, locate=False,
-                              engine_tp=1, trainer_tp=1, trainer_pp=1, verbose=False,
-                              backend="torch", device="cpu")  # fmt: skip
+def _run(out: Path) -> pair.PairRun:
+    return pair.PairRun("/m", "float32", num_prompts=2, max_tokens=2, out=out)
 
 
 def test_failed_stock_arm_is_reported_and_isoexec_failure_raises(
@@ -32,11 +29,11 @@ def test_failed_stock_arm_is_reported_and_isoexec_failure_raises(
         raise EngineError(UPSTREAM)
 
     monkeypatch.setattr(pair, "run_arm", failing)
-    stock = pair._run_named_arm(_args(), "stock", "/m", tmp_path)
+    stock = pair._run_named_arm(_run(tmp_path), "stock")
     assert stock.error == "AssertionError: CPU GDN attention requires BF16."
     assert stock.tokens == 0
     assert "stock    failed: AssertionError: CPU GDN attention requires BF16." in format_table(
         "m", "float32", [stock]
     )
     with pytest.raises(EngineError, match="requires BF16"):
-        pair._run_named_arm(_args(), "isoexec", "/m", tmp_path)
+        pair._run_named_arm(_run(tmp_path), "isoexec")

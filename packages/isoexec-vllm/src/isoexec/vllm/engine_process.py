@@ -311,6 +311,9 @@ class _Handler:
             # generation_config.json sampling defaults are not applied (`admission`).
             kwargs["logits_processors"] = [ADMISSION]
             kwargs["generation_config"] = "vllm"
+            # The canonical GDN state is fp32; vLLM-CPU picks fp32 itself only on CPUs with
+            # AVX512-BF16 (elsewhere a bf16 model's state would be bf16: refused by the site).
+            kwargs["mamba_ssm_cache_dtype"] = "float32"
         elif config.options != IsoExecOptions() or config.handshake is not None:
             raise ValueError("IsoExec options or handshake without isoexec=True: silently unused")
         if config.tensor_parallel_size > 1:

@@ -143,7 +143,11 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
         if conv_dtype != self.model_config.dtype:
             problems.append(f"conv state dtype {conv_dtype} (model {self.model_config.dtype})")
         if ssm_dtype != torch.float32:
-            problems.append(f"recurrent state dtype {ssm_dtype} (IsoExec pins fp32)")
+            problems.append(
+                f"recurrent state dtype {ssm_dtype} (IsoExec pins fp32: pass "
+                "mamba_ssm_cache_dtype='float32', as the harness and `isoexec engine serve` do; "
+                "vLLM-CPU picks it itself only on CPUs with AVX512-BF16)"
+            )
         if problems:
             raise UnsupportedSiteError(
                 f"GDN {self.prefix!r}: canonical GDN does not support: " + ", ".join(problems)

