@@ -415,3 +415,36 @@ def test_served_adapter_push_canary_and_bitwise(
                     score_sampled(model, [prompts[0]], base_record)
     finally:
         lora.detach()
+
+
+def test_an_adapter_overwritten_in_place_and_evicted_serves_what_was_verified(
+    tmp_path: Path,
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    base_trainer: Callable[[str, str], Any],
+    adapters: Callable[[str], dict[str, Path]],
+) -> None:
+    """RL loops often save each step's adapter into the same directory. vLLM reads an adapter it
+    evicted from its cache again, inside a later step, from its path: the gate verified a
+    private copy and that is what is read again, so the engine neither serves the overwritten
+    files under the old name nor fails the step (without the copy the reload is refused inside
+    the step and the engine dies)."""
+    import shutil
+
+    model_dir = model_factory("tiny-dense", "float32")
+    engine = _engine(engine_pool, model_dir, "float32", True)
+    model = base_trainer(model_dir, "float32")
+    ads = adapters(model_dir)
+    shutil.copytree(ads["qv"], tmp_path / "inplace")
+    inplace = LoraAdapter("inplace", 21, str(tmp_path / "inplace"))
+    fillers = [LoraAdapter(f"filler-{i}", 22 + i, str(ads["all"])) for i in range(MAX_LORAS)]
+    with _matched(engine, model, model_dir, inplace):
+        _add(engine, model, [inplace])
+        for filler in fillers:  # more adapters than vLLM's cache holds: `inplace` is evicted
+            engine.call("add_lora", filler, _fingerprint(model, filler))
+    for name in ("adapter_model.safetensors", "adapter_config.json"):  # the next step's save
+        shutil.copyfile(ads["all"] / name, tmp_path / "inplace" / name)
+    completions = _sample(engine, _vocab(model_dir), [inplace, None])
+    original = LoraAdapter("inplace", 21, str(ads["qv"]))  # what was verified and announced
+    train, eng = _score_under(model, completions, [original, None])
+    assert torch.equal(train, eng), (train - eng).abs().max()

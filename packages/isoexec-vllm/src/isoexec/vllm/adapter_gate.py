@@ -39,6 +39,8 @@ EXPECTED: dict[str, str] = {}
 # adapter name -> fingerprint of every adapter this worker loaded through the gate (reported
 # beside the weights' fingerprint by `isoexec_gate_status`)
 LOADED: dict[str, str] = {}
+# adapter name -> (fingerprint, this worker's private copy of the verified files)
+_VERIFIED: dict[str, tuple[str, str]] = {}
 # Frontend: ids of the adapters added through the engine's add_lora (they passed the gate).
 ADDED: set[int] = set()
 
@@ -84,10 +86,36 @@ def expect_adapter(name: str, fingerprint: str) -> None:
     EXPECTED[str(name)] = fingerprint
 
 
-def check_adapter_load(manager: Any, lora_request: Any) -> None:
-    """Refuse (AdapterRefusedError) the load of `lora_request` unless it passes the gate."""
+def _private_copy(path: str | Path) -> str:
+    """The adapter's two files copied into a directory of this worker's (kept for its life)."""
+    import atexit
+    import shutil
+    import tempfile
+
+    directory = tempfile.mkdtemp(prefix="isoexec-verified-adapter-")
+    if not _VERIFIED:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for _, d in
+                                 _VERIFIED.values()])  # fmt: skip
+    for name in (ADAPTER_FILE, "adapter_config.json"):
+        shutil.copyfile(Path(path) / name, Path(directory) / name)
+    return directory
+
+
+def check_adapter_load(manager: Any, lora_request: Any) -> Any:
+    """The request to load in place of `lora_request` (its path: this worker's verified copy);
+    refuses (AdapterRefusedError) unless it passes the gate.
+
+    The adapter is verified on a private copy, which is what vLLM then reads — also when it
+    evicts the adapter and reads it again inside a later step: a trainer that overwrites the
+    adapter's directory in place cannot change (or, with a refusal mid-step, stop) what an
+    engine serves under that name. Push a changed adapter under a new name."""
+    import msgspec
+
     name, int_id = lora_request.lora_name, int(lora_request.lora_int_id)
     want = EXPECTED.get(name)
+    verified = _VERIFIED.get(name)
+    if verified is not None and verified[0] == want:
+        return msgspec.structs.replace(lora_request, lora_path=verified[1])
     if want is None:
         raise AdapterRefusedError(
             f"LoRA adapter {name!r} (id {int_id}) refused: it was not announced with the "
@@ -95,13 +123,16 @@ def check_adapter_load(manager: Any, lora_request: Any) -> None:
             "does not hold would be sampled under a MATCH"
         )
     dtype = manager.lora_config.lora_dtype
-    got = adapter_fingerprint(lora_request.lora_path, dtype)
+    private = _private_copy(lora_request.lora_path)  # what is checked is what is loaded
+    got = adapter_fingerprint(private, dtype)
     if got != want:
         raise AdapterRefusedError(
             f"LoRA adapter {name!r} (id {int_id}) refused: its tensors hash to {got[:16]}…, "
             f"the trainer announced {want[:16]}… (another adapter, or a partial write)"
         )
+    _VERIFIED[name] = (got, private)
     LOADED[name] = got
+    return msgspec.structs.replace(lora_request, lora_path=private)
 
 
 def record_added(lora_request: Any, loaded: bool) -> None:

@@ -81,7 +81,8 @@ def select_punica_wrapper(qualname: str) -> None:
 
 
 def gate_adapter_loads(check: Any) -> None:
-    """Run `check(manager, lora_request)` before every adapter load of this worker process."""
+    """Run `check(manager, lora_request)` before every adapter load of this worker process; the
+    request it returns (the adapter's verified copy) is what vLLM loads."""
     from vllm.lora.worker_manager import WorkerLoRAManager
 
     original = getattr(WorkerLoRAManager, "_load_adapter", None)
@@ -94,8 +95,7 @@ def gate_adapter_loads(check: Any) -> None:
         return
 
     def _load_adapter(self: Any, lora_request: Any) -> Any:
-        check(self, lora_request)
-        return original(self, lora_request)
+        return original(self, check(self, lora_request))
 
     _load_adapter.isoexec_gated = True  # type: ignore[attr-defined]
     WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
