@@ -9,9 +9,10 @@ layout ([q | k | v] for the fused QKV, whose columns Megatron interleaves per qu
 backward is the canonical linear's. `TrainerLora.save` writes the trained adapter back in
 PEFT's layout, for vLLM to load after a step.
 
-Scope: Qwen3 dense and Qwen3 MoE attention at trainer TP=1; adapters on q/k/v/o and the dense
-MLP's gate/up/down projections. Other targets (embeddings, the lm head, experts) and TP>1 are
-refused when the adapter is attached.
+Scope: dense Qwen3 (`Qwen3ForCausalLM`) at trainer TP=1, the models the engine serves with
+LoRA (it refuses LoRA on MoE models); adapters on q/k/v/o and gate/up/down. Other models,
+other targets (embeddings, the lm head, experts) and TP>1 are refused when the adapter is
+attached.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ _PARENT = {t: ("self_attn" if path.startswith("self_attention") else "mlp")
            for t, (path, _) in _TARGETS.items()}  # fmt: skip
 
 
+LORA_ARCHITECTURE = "Qwen3ForCausalLM"  # what both sides run adapters on
 # Megatron linear -> the framework-neutral site whose adapter path the contract declares
 _CONTRACT_SITE = {
     "self_attention.linear_qkv": "self_attn.qkv_proj",
@@ -199,6 +201,12 @@ def attach_lora(
         raise LoraAdapterError("attach_lora: the model has no canonical sites (IsoExec off)")
     if getattr(model, "isoexec_lora", None) is not None:
         raise LoraAdapterError("attach_lora: an adapter is attached already (detach it first)")
+    arch = getattr(model, "isoexec_arch", None)
+    if getattr(arch, "architecture", None) != LORA_ARCHITECTURE or getattr(arch, "moe", None):
+        raise LoraAdapterError(
+            f"attach_lora: {getattr(arch, 'architecture', type(model).__name__)} — canonical "
+            f"LoRA runs on dense {LORA_ARCHITECTURE} (the engine refuses LoRA on MoE models)"
+        )
     config = AdapterConfig.read(adapter_dir)
     tensors = load_file(str(Path(adapter_dir) / "adapter_model.safetensors"))
     modules = dict(model.named_modules())
