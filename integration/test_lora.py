@@ -25,7 +25,7 @@ from isoexec.contract.pair import handshake, make_prompts
 from isoexec.contract.tiny_lora import make_tiny_lora
 from isoexec.megatron import score, trainer_contract
 from isoexec.megatron.lora import attach_lora
-from isoexec.vllm.engine_process import LoraAdapter, SamplingSpec
+from isoexec.vllm.engine_process import EngineError, LoraAdapter, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -227,6 +227,18 @@ def test_train_step_then_adapter_sync_stays_bitwise(
     completions = _sample(engine, _vocab(model_dir), loras)
     train, eng = _score_under(model, completions, loras)
     assert torch.equal(train, eng), (train - eng).abs().max()
+    # The weight fingerprint covers the adapter: base + step1 is the same on both sides, and
+    # not base + the old adapter, nor the base alone.
+    served = {name: engine.call("weight_fingerprint", name)[0] for name in ("qv-step1", "qv")}
+    base = engine.call("weight_fingerprint")[0]
+    lora = attach_lora(model, step1.path, rank=RANK, name=step1.name)
+    try:
+        assert lora.weight_fingerprint() == served["qv-step1"]
+    finally:
+        lora.detach()
+    assert len({served["qv-step1"], served["qv"], base}) == 3
+    with pytest.raises(EngineError, match="not loaded through the adapter gate"):
+        engine.call("weight_fingerprint", "never-added")
     old_scores = _score_under(model, completions, [start, None, start, start])[0]
     assert not torch.equal(old_scores[:6], train[:6])  # the step changed the adapter's bits
 
@@ -275,8 +287,6 @@ def test_adapter_loads_pass_the_gate_only_announced_after_match(
 ) -> None:
     """Without MATCH, unannounced, or with other tensors than the trainer's: refused, nothing
     loaded, and the engine keeps serving (the refusal is the caller's error alone)."""
-    from isoexec.vllm.engine_process import EngineError
-
     model_dir = model_factory("tiny-dense", "float32")
     engine = _engine(engine_pool, model_dir, "float32", True)
     model = base_trainer(model_dir, "float32")
@@ -319,6 +329,9 @@ def test_pair_lora_preset_is_bitwise_with_its_canary(tmp_path: Path) -> None:
     assert "canary MATCH" in out.stdout
     assert "48 (100.0%)" in out.stdout
     assert "no stock arm with --lora" in out.stdout
+    arms = json.loads((tmp_path / "pair" / "results.json").read_text())["arms"]
+    weights = next(a for a in arms if a["arm"] == "isoexec")["weight_fingerprints"]
+    assert weights["trainer"] is not None and weights["trainer"] == weights["engine"]
 
 
 def test_lora_on_a_moe_model_is_refused_with_the_reason(

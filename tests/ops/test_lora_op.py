@@ -116,3 +116,16 @@ def test_adapter_fingerprint_covers_the_config_and_the_tensors() -> None:
     assert fp != adapter_fingerprint(t, AdapterConfig(rank=8, alpha=32.0, targets=("q_proj",)))
     assert fp != adapter_fingerprint({"a": torch.full((2, 3), 2.0)}, base)
     assert AdapterConfig(8, 16.0, ("q_proj",), use_rslora=True).scaling == 16.0 / 8**0.5
+
+
+def test_served_weights_fingerprint_folds_the_adapter_into_the_weights() -> None:
+    """Base alone: the base's fingerprint unchanged; base + adapter: another digest for each
+    adapter (and for each base); a digest that is not one is refused."""
+    from isoexec.contract.adapter import served_weights_fingerprint
+
+    base, other_base, a, b = ("0" * 64), ("1" * 64), ("a" * 64), ("b" * 64)
+    assert served_weights_fingerprint(base, None) == base
+    served = {served_weights_fingerprint(w, x) for w in (base, other_base) for x in (a, b)}
+    assert len(served) == 4 and base not in served
+    with pytest.raises(ValueError, match="adapter fingerprint"):
+        served_weights_fingerprint(base, "not-a-digest")

@@ -96,9 +96,29 @@ def adapter_fingerprint(tensors: Mapping[str, Any], config: AdapterConfig) -> st
     return h.hexdigest()
 
 
+_SERVED_DOMAIN = b"isoexec.weights+adapter/1\n"
+
+
+def served_weights_fingerprint(weights: str, adapter: str | None) -> str:
+    """The fingerprint of the weights a request runs under: the base weights' fingerprint,
+    combined with the adapter's when one applies (the base alone otherwise). Engine and trainer
+    compute it the same way, so an adapter that differs in one tensor or in alpha makes the
+    weight fingerprints differ, not only the adapter gate's check."""
+    if adapter is None:
+        return weights
+    for what, digest in (("weights", weights), ("adapter", adapter)):
+        if not (isinstance(digest, str) and len(digest) == 64):
+            raise ValueError(f"{what} fingerprint {digest!r} is not a SHA-256 hex digest")
+    h = hashlib.sha256(_SERVED_DOMAIN)
+    h.update(bytes.fromhex(weights))
+    h.update(bytes.fromhex(adapter))
+    return h.hexdigest()
+
+
 __all__ = [
     "SUPPORTED_TARGETS",
     "AdapterConfig",
     "LoraAdapterError",
     "adapter_fingerprint",
+    "served_weights_fingerprint",
 ]

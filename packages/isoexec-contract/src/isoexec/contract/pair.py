@@ -144,7 +144,7 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         }
         timings["scoring"] = time.monotonic() - t0
         train, eng = align(completions, temps, scored)
-        fingerprints = _fingerprints(model, engine)
+        fingerprints = _fingerprints(model, engine, adapter if isoexec else None)
         report = None
         if isoexec and locate_dir is not None and not torch.equal(train, eng):
             from isoexec.contract.locate import format_result
@@ -221,24 +221,28 @@ class _started:
         self.engine.close()
 
 
-def _fingerprints(model: Any, engine: Any) -> dict[str, str | None]:
-    """Both sides' weight fingerprints (checkpoint names): what each side holds."""
+def _fingerprints(model: Any, engine: Any, adapter: Any = None) -> dict[str, str | None]:
+    """Both sides' weight fingerprints (checkpoint names): what each side holds; under an
+    adapter, base + adapter on both sides (`served_weights_fingerprint`)."""
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.megatron import export_hf_weights
 
-    return {
-        "trainer": WeightFingerprint.of(export_hf_weights(model)).digest,
-        "engine": _engine_fingerprint(engine),
-    }
+    lora = getattr(model, "isoexec_lora", None)
+    if adapter is not None and lora is not None:
+        trainer = lora.weight_fingerprint()
+    else:
+        trainer = WeightFingerprint.of(export_hf_weights(model)).digest
+    return {"trainer": trainer, "engine": _engine_fingerprint(engine, adapter)}
 
 
-def _engine_fingerprint(engine: Any) -> str | None:
+def _engine_fingerprint(engine: Any, adapter: Any = None) -> str | None:
     """The engine workers' common fingerprint; None where they differ or cannot say (a stock
     engine's CPU linears hold prepacked weights that do not map back to checkpoint tensors)."""
     from isoexec.vllm.engine_process import EngineError
 
     try:
-        workers = engine.call("weight_fingerprint")
+        name = None if adapter is None else adapter.name
+        workers = engine.call("weight_fingerprint", name)
     except EngineError:
         return None
     return workers[0] if len(set(workers)) == 1 else None

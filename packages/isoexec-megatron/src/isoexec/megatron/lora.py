@@ -24,7 +24,13 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.adapter import AdapterConfig, LoraAdapterError, adapter_fingerprint
+from isoexec.contract.adapter import (
+    AdapterConfig,
+    LoraAdapterError,
+    adapter_fingerprint,
+    served_weights_fingerprint,
+)
+from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.ops import fold_scaling, lora_apply, pad_rank
 from isoexec.contract.tiny_lora import PEFT_PREFIX
@@ -149,6 +155,15 @@ class TrainerLora:
         model's dtype): what the engine's adapter gate compares the adapter it loads against
         (`isoexec.contract.adapter`, `isoexec.vllm.adapter_gate`)."""
         return adapter_fingerprint(self.state_dict(), self.config)
+
+    def weight_fingerprint(self) -> str:
+        """The fingerprint of the weights this model scores under: its base weights' (HF
+        names) combined with the adapter's (`served_weights_fingerprint`); equal to the
+        engine's `isoexec_weight_fingerprint(adapter)` when both hold the same bits."""
+        from isoexec.megatron.weights import export_hf_weights
+
+        base = WeightFingerprint.of(export_hf_weights(self.model)).digest
+        return served_weights_fingerprint(base, self.fingerprint())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The adapter's tensors under PEFT's names (detached copies)."""

@@ -436,8 +436,9 @@ class _Handler:
             self.llm.collective_rpc("isoexec_expect_adapter", args=(adapter.name, fingerprint))
         return bool(self.llm.llm_engine.add_lora(_lora_request(adapter)))
 
-    def weight_fingerprint(self) -> list[str]:
-        return self.llm.collective_rpc("isoexec_weight_fingerprint")
+    def weight_fingerprint(self, adapter: str | None = None) -> list[str]:
+        """Each worker's weight fingerprint; with `adapter`, base + that adapter's."""
+        return self.llm.collective_rpc("isoexec_weight_fingerprint", args=(adapter,))
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

@@ -136,10 +136,21 @@ class IsoWorkerExtension:
             (n, list(p.shape), str(p.dtype)) for n, p in self.model_runner.model.named_parameters()
         ]
 
-    def isoexec_weight_fingerprint(self) -> str:
-        """Fingerprint of the weights this worker holds, in canonical (HF) names."""
+    def isoexec_weight_fingerprint(self, adapter: str | None = None) -> str:
+        """Fingerprint of the weights this worker holds, in canonical (HF) names; with
+        `adapter`, of the weights a request to that adapter runs under (base + the adapter as
+        the gate verified it: `served_weights_fingerprint`)."""
+        from isoexec.contract.adapter import served_weights_fingerprint
+        from isoexec.vllm.adapter_gate import LOADED
+
+        if adapter is not None and adapter not in LOADED:
+            raise ValueError(
+                f"adapter {adapter!r} was not loaded through the adapter gate on this worker "
+                f"(loaded: {sorted(LOADED) or 'none'})"
+            )
         hf = self._isoexec_hf_config()
-        return WeightFingerprint.of(hf_named_weights(self.model_runner.model, hf)).digest
+        base = WeightFingerprint.of(hf_named_weights(self.model_runner.model, hf)).digest
+        return served_weights_fingerprint(base, None if adapter is None else LOADED[adapter])
 
     # ---- per-site tracing (`isoexec locate`) -------------------------------------------------
     def isoexec_trace_start(self, store_values: bool = True) -> None:
