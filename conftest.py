@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.tools.tiny_models import make_tiny_model
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.bench import PROMPT_LEN, SIZES, kv_cache_bytes, make_model
+from isoexec.tools.bench import PROMPT_LEN, SIZES, kv_cache_bytes, make_model
 
 ARMS = ("isoexec", "native")
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from isoexec.contract.ops import gemm, moe
+from isoexec.ops import gemm, moe
 
 HIDDEN, WIDTH, EXPERTS, TOP_K, LAYERS = 768, 384, 8, 2, 8
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from isoexec.contract import ops
+from isoexec import ops
 
 HID, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 2816, 16, 4, 64, 32000
 

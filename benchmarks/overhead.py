@@ -1,4 +1,4 @@
-"""IsoExec vs native overhead: moved into the package as `isoexec bench` (isoexec.contract.bench).
+"""IsoExec vs native overhead: moved into the package as `isoexec bench` (isoexec.tools.bench).
 
     python benchmarks/overhead.py ARGS   is   isoexec bench ARGS
 
@@ -7,7 +7,7 @@
 
 import sys
 
-from isoexec.contract.bench import main
+from isoexec.tools.bench import main
 
 if __name__ == "__main__":
     sys.exit(main())

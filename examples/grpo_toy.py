@@ -26,8 +26,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.handshake.server import HandshakeServer
 from isoexec.megatron import (
     build_model,
     export_hf_weights,
@@ -38,6 +37,7 @@ from isoexec.megatron import (
     save_hf_safetensors,
 )
 from isoexec.megatron.canary import offer_canary
+from isoexec.tools.tiny_models import make_tiny_model
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
 CLIP = 0.2

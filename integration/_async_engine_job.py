@@ -25,7 +25,7 @@ async def main(job: dict[str, Any]) -> dict[str, Any]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY
-    from isoexec.contract.served import HANDSHAKE_CONFIG_KEY
+    from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY
 
     args = AsyncEngineArgs(
         model=job["model"], dtype=job["dtype"], skip_tokenizer_init=True, max_model_len=512,

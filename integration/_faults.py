@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 
 FAULT_LANES = 8  # the canonical attention's default is ops.attention.DEFAULT_LANES
 

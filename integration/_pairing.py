@@ -55,7 +55,7 @@ def assert_tp_invariant_match_and_bitwise(
     """The trainer jobs' contract (every site TP-invariant) MATCHes the engine at the
     handshake, and every sampled token's logprob is bitwise the engine's."""
     from isoexec.contract.contract import Contract
-    from isoexec.contract.pair import handshake
+    from isoexec.tools.pair import handshake
 
     contract = Contract.from_bytes(mine[0][1]["contract"])
     assert {s.tp for s in contract.sites} == {"invariant"}
@@ -68,10 +68,10 @@ def assert_tp_invariant_match_and_bitwise(
 
 
 def run_pair_cli(args: list[str], timeout_s: int = 600) -> subprocess.CompletedProcess[str]:
-    """`python -m isoexec.contract.cli pair ...` in its own session; the whole group (engines
+    """`python -m isoexec.tools.cli pair ...` in its own session; the whole group (engines
     included) is killed if it overruns or the test is interrupted."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "isoexec.contract.cli", "pair", *args],
+        [sys.executable, "-m", "isoexec.tools.cli", "pair", *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:

@@ -83,7 +83,7 @@ def served(
 def wait_cleared(url: str, token: str) -> list[dict[str, Any]]:
     """The worker's gate state once its startup offer has its verdict (it arrives with the
     trainer's offer; the worker's thread records it a moment later)."""
-    from isoexec.contract.served import served_status
+    from isoexec.handshake.served import served_status
 
     deadline = time.monotonic() + 60
     while True:

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import torch
 
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.pair import make_prompts
+from isoexec.handshake.server import HandshakeServer
+from isoexec.tools.pair import make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 

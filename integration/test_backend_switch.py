@@ -18,7 +18,7 @@ from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
-from isoexec.contract.pair import handshake
+from isoexec.tools.pair import handshake
 from isoexec.vllm.engine_process import SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]

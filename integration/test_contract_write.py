@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from isoexec.contract.cli import main
 from isoexec.contract.contract import Contract
+from isoexec.tools.cli import main
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 

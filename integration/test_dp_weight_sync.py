@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.pair import handshake
+from isoexec.handshake.server import HandshakeServer
+from isoexec.tools.pair import handshake
 from isoexec.vllm.engine_process import SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]

@@ -28,10 +28,10 @@ import torch
 from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
-from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.options import IsoExecOptions
-from isoexec.contract.pair import handshake, make_prompts
-from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.handshake.server import HandshakeServer
+from isoexec.tools.pair import handshake, make_prompts
+from isoexec.tools.tiny_models import make_tiny_model
 from isoexec.vllm.engine_process import EngineError, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
@@ -300,7 +300,7 @@ def test_pair_checks_a_layout_in_one_command(tmp_path: Path) -> None:
     comparison fails is shown by the pair runs of integration/test_qwen35_release_pair.py."""
     import json
 
-    from isoexec.contract.cli import main
+    from isoexec.tools.cli import main
 
     out = tmp_path / "pair"
     args = ["pair", "--preset", "tiny-moe", "--engine-tp", "2", "--trainer-tp", "2", "--arms",
@@ -317,7 +317,7 @@ def test_pair_with_a_pipelined_trainer(tmp_path: Path) -> None:
     and every sampled token bitwise."""
     import json
 
-    from isoexec.contract.cli import main
+    from isoexec.tools.cli import main
 
     out = tmp_path / "pair"
     args = ["pair", "--preset", "tiny-dense", "--engine-tp", "2", "--trainer-tp", "2",

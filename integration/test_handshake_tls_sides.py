@@ -20,9 +20,9 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "_support"))
 from pki import make_pki
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.client import HandshakeClient
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.handshake.tls import ClientTLS, ServerTLS
+from isoexec.handshake.client import HandshakeClient
+from isoexec.handshake.server import HandshakeServer
+from isoexec.handshake.tls import ClientTLS, ServerTLS
 from isoexec.megatron import export_hf_weights, trainer_contract
 from isoexec.vllm.engine_process import EngineError
 

@@ -22,11 +22,11 @@ import pytest
 import torch
 from _faults import narrow_attention_lanes
 
-from isoexec.contract import ops
-from isoexec.contract.locate import format_result, locate
-from isoexec.contract.pair import locate_pair, make_prompts
+from isoexec import ops
 from isoexec.contract.trace import Trace
 from isoexec.megatron.trace import trace_trainer
+from isoexec.tools.locate import format_result, locate
+from isoexec.tools.pair import locate_pair, make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -82,7 +82,7 @@ def test_isoexec_traces_are_bitwise_equal_at_every_site(
     assert r.rows_compared == (r.sites_compared - 1) * total + (total - 2)
     # tracing left nothing behind: the model has no hooks and rope is the canonical function
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in trainer.modules())
-    assert ops.apply_rope.__module__ == "isoexec.contract.ops.rope"
+    assert ops.apply_rope.__module__ == "isoexec.ops.rope"
 
 
 class _OneUlpDownProj:
@@ -127,7 +127,7 @@ def test_changed_lanes_in_one_layer_is_located_there(
     tmp_path: Path,
 ) -> None:
     """Through `locate_pair` (what `isoexec pair --locate` runs) and the `isoexec locate` CLI."""
-    from isoexec.contract.cli import main
+    from isoexec.tools.cli import main
 
     core = fresh_trainer.decoder.layers[1].self_attention.core_attention
     narrow_attention_lanes(core)

@@ -20,11 +20,11 @@ from typing import Any
 import pytest
 import torch
 
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.pair import handshake, make_prompts
-from isoexec.contract.tiny_lora import make_tiny_lora
+from isoexec.handshake.server import HandshakeServer
 from isoexec.megatron import score, trainer_contract
 from isoexec.megatron.lora import attach_lora
+from isoexec.tools.pair import handshake, make_prompts
+from isoexec.tools.tiny_lora import make_tiny_lora
 from isoexec.vllm.engine_process import EngineError, LoraAdapter, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
@@ -359,7 +359,7 @@ def test_served_adapter_push_canary_and_bitwise(
     import openai
     from _served import served, wait_cleared
 
-    from isoexec.contract.served import (
+    from isoexec.handshake.served import (
         SAMPLING_HEADER,
         SamplingRecord,
         SamplingRecordError,
@@ -384,7 +384,7 @@ def test_served_adapter_push_canary_and_bitwise(
             lora_args = ("--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2")
             with served(model_dir, stock=False, log=tmp_path / "server.log",
                         launcher_args=args, vllm_args=lora_args) as url:  # fmt: skip
-                from isoexec.contract.handshake.client import HandshakeClient
+                from isoexec.handshake.client import HandshakeClient
 
                 with HandshakeClient(hs.address, token, timeout_s=120) as client:
                     assert client.offer(

@@ -19,8 +19,8 @@ import torch
 from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
-from isoexec.contract.pair import handshake, make_prompts
-from isoexec.contract.tiny_models import QWEN35_35B_A3B_TEXT, make_tiny_model
+from isoexec.tools.pair import handshake, make_prompts
+from isoexec.tools.tiny_models import QWEN35_35B_A3B_TEXT, make_tiny_model
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer, pytest.mark.slow]

@@ -32,10 +32,10 @@ from safetensors.torch import save_file
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
 from isoexec.contract.options import IsoExecOptions
-from isoexec.contract.pair import handshake, make_prompts
+from isoexec.handshake.server import HandshakeServer
 from isoexec.megatron.hf_checkpoint import read_hf_state_dict
+from isoexec.tools.pair import handshake, make_prompts
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]

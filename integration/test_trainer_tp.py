@@ -20,7 +20,7 @@ from _pairing import assert_tp_invariant_match_and_bitwise, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
-from isoexec.contract.pair import handshake, make_prompts
+from isoexec.tools.pair import handshake, make_prompts
 from isoexec.vllm.engine_process import SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]

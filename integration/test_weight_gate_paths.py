@@ -21,8 +21,8 @@ import pytest
 from _worker_paths import framework_load_weights, model_is_gated, transfer_backends
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.pair import handshake
 from isoexec.megatron import export_hf_weights, trainer_contract
+from isoexec.tools.pair import handshake
 from isoexec.vllm.engine_process import EngineError
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
@@ -33,7 +33,7 @@ def test_every_weight_path_needs_a_match_and_records_the_fingerprint(
     engine_pool: Callable[..., Any],
     trainer_factory: Callable[..., Any],
 ) -> None:
-    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.handshake.server import HandshakeServer
 
     model = model_factory("tiny-dense", "float32")
     hf = json.loads((Path(model) / "config.json").read_text())

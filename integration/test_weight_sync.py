@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.pair import handshake, make_prompts, sample_and_score
-from isoexec.contract.served import ServedHandshake
+from isoexec.handshake.served import ServedHandshake
+from isoexec.handshake.server import HandshakeServer
 from isoexec.megatron import export_hf_weights, save_hf_safetensors, train_step, trainer_contract
+from isoexec.tools.pair import handshake, make_prompts, sample_and_score
 from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]

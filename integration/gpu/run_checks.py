@@ -5,11 +5,11 @@ Why one script: CPU CI proves the Triton kernels' *structure* under the interpre
 only a GPU gives GPU bits. On a CUDA device this runs
   1. every Triton kernel's bitwise invariance (row alone == row in batches of other sizes,
      decode == prefill, TP shards) and its accuracy against the torch canonical op
-     (`isoexec.contract.ops.triton.selfcheck`, the checks the CPU suite runs);
+     (`isoexec.ops.triton.selfcheck`, the checks the CPU suite runs);
   2. an lm head past 2**31 output elements (64-bit offsets on the device), then overhead
      ratios: Triton kernel time / the framework's native op (median of CUDA-event timings),
      at realistic shapes;
-  3. trainer vs engine, bitwise, for the three tiny families (`isoexec.contract.pair.run_arm`
+  3. trainer vs engine, bitwise, for the three tiny families (`isoexec.tools.pair.run_arm`
      with the Triton backend on both sides and the trainer on the device; each family in its
      own try, so one failure does not hide the others; families left when the time budget is
      spent are reported as skipped).
@@ -47,7 +47,7 @@ class Row:
 
 def kernel_rows(device: str, scale: int, only: list[str] | None = None) -> list[Row]:
     """One row per kernel, both dtypes."""
-    from isoexec.contract.ops.triton.selfcheck import run_all
+    from isoexec.ops.triton.selfcheck import run_all
 
     by_name: dict[str, list] = {}
     for r in run_all(device, scale=scale, only=only):
@@ -93,7 +93,7 @@ def overhead_rows() -> list[Row]:
     import torch
     import torch.nn.functional as F
 
-    from isoexec.contract.ops import triton as x
+    from isoexec.ops import triton as x
 
     dev, bf = "cuda", torch.bfloat16
     g = torch.Generator(device=dev).manual_seed(0)
@@ -187,7 +187,7 @@ def large_index_rows() -> list[Row]:
     (tests/triton/test_index_width.py), this shows it on the device."""
     import torch
 
-    from isoexec.contract.ops import triton as x
+    from isoexec.ops import triton as x
 
     m, n, k = 16384, 151936, 1024
     try:
@@ -223,8 +223,8 @@ def pair_rows(
             rows.append(Row("pair", f"{fam} {dtype}", "SKIP", "time budget spent"))
             continue
         try:
-            from isoexec.contract.pair import run_arm
-            from isoexec.contract.tiny_models import make_tiny_model
+            from isoexec.tools.pair import run_arm
+            from isoexec.tools.tiny_models import make_tiny_model
 
             model_dir = str(make_tiny_model(fam, tmp / f"{fam}-{dtype}", dtype=dtype))
             arms = [True, False] if stock else [True]

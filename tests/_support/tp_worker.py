@@ -27,7 +27,7 @@ def plain_gdn_out_proj(model: torch.nn.Module) -> None:
     the plain linear on the whole K). Every other site keeps what it was built with."""
     from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
 
-    from isoexec.contract import ops
+    from isoexec import ops
 
     for name, mod in model.named_modules():
         if not name.endswith("self_attention.out_proj"):
@@ -159,7 +159,7 @@ def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
     """Every rank offers its own contract (trainer/<rank>) to the job's handshake service and
     waits for the run's one verdict; `fault_rank` first narrows that rank's attention lanes in
     its last layer (a deliberately changed site on one rank only)."""
-    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.handshake.client import HandshakeClient
     from isoexec.megatron.contract_readback import trainer_contract
 
     rank = dist.get_rank()

@@ -10,9 +10,9 @@ import grpc
 from _contract_testlib import TOKEN, make_contract
 
 from isoexec.contract.contract import Contract
-from isoexec.contract.handshake import HandshakeClient, HandshakeServer, Verdict
-from isoexec.contract.handshake._gen import handshake_pb2 as pb
-from isoexec.contract.handshake.types import OFFER_METHOD, TOKEN_METADATA_KEY
+from isoexec.handshake import HandshakeClient, HandshakeServer, Verdict
+from isoexec.handshake._gen import handshake_pb2 as pb
+from isoexec.handshake.types import OFFER_METHOD, TOKEN_METADATA_KEY
 
 
 def raw_call(

@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 import pytest
 from _contract_testlib import TOKEN
 
-from isoexec.contract.handshake import HandshakeServer
+from isoexec.handshake import HandshakeServer
 
 
 @pytest.fixture()

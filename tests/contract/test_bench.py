@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from isoexec.contract import bench, bench_report, cli
+from isoexec.tools import bench, bench_report, cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -24,7 +24,7 @@ def parse(*argv: str) -> Any:
 def test_options_and_defaults() -> None:
     a = parse()
     assert (a.family, a.size, a.reps, a.mode, a.dtype) == ("dense", "small", 3, "default", None)
-    assert (a.no_trainer, a.out, a._module) == (False, "isoexec-bench", "isoexec.contract.bench")
+    assert (a.no_trainer, a.out, a._module) == (False, "isoexec-bench", "isoexec.tools.bench")
     a = parse("--family", "moe", "--size", "tiny", "--reps", "2", "--mode", "both",
               "--no-trainer", "--out", "d", "--dtype", "bfloat16")  # fmt: skip
     assert (a.family, a.size, a.reps, a.mode, a.no_trainer, a.out, a.dtype) == (
@@ -122,7 +122,7 @@ def test_machine_info_names_cpu_threads_versions_commit() -> None:
     assert line.startswith("machine: ") and git["commit"][:12] in line and m["cpu"] in line
     import torch
 
-    from isoexec.contract.ops import moe  # the expert GEMM differs by CPU: the line says which
+    from isoexec.ops import moe  # the expert GEMM differs by CPU: the line says which
 
     assert m["bf16_experts"] == moe.expert_gemm(torch.bfloat16)
     assert f"bf16 experts {m['bf16_experts']}" in line

@@ -19,9 +19,9 @@ from isoexec.contract.canary import (
     pack,
     unpack,
 )
-from isoexec.contract.handshake import HandshakeClient
-from isoexec.contract.handshake._gen import handshake_pb2 as pb
-from isoexec.contract.handshake.types import CANARY_METHOD, HandshakeError
+from isoexec.handshake import HandshakeClient
+from isoexec.handshake._gen import handshake_pb2 as pb
+from isoexec.handshake.types import CANARY_METHOD, HandshakeError
 
 EXPECTED = {"trainer": 1, "engine": 1}
 VALUES = [struct.unpack("<f", struct.pack("<f", -0.1 * i - 1.0))[0] for i in range(63)]

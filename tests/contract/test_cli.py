@@ -11,7 +11,7 @@ import pytest
 from _contract_testlib import make_contract
 
 ISOEXEC = Path(sys.executable).parent / "isoexec"
-CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.contract.cli"]
+CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.tools.cli"]
 
 
 def isoexec(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,7 +32,7 @@ def test_help_lists_subcommands_and_runs_as_module() -> None:
     r = isoexec("--help")
     assert r.returncode == 0 and "contract" in r.stdout and "handshake" in r.stdout
     m = subprocess.run(
-        [sys.executable, "-m", "isoexec.contract.cli", "contract", "--help"],
+        [sys.executable, "-m", "isoexec.tools.cli", "contract", "--help"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -106,7 +106,7 @@ def test_pair_on_a_one_side_node_names_the_missing_package(blocked: str, named: 
         "            raise ModuleNotFoundError(name)\n"
         "        return None\n"
         "sys.meta_path.insert(0, Block())\n"
-        "from isoexec.contract.cli import main\n"
+        "from isoexec.tools.cli import main\n"
         "sys.exit(main(['pair', '--out', sys.argv[1]]))\n"
     )
     out = subprocess.run([sys.executable, "-c", code, "/tmp/isoexec-pair-one-side"],

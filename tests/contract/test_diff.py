@@ -97,7 +97,7 @@ def test_gemm_library_difference_names_the_sites_and_the_parameter(monkeypatch) 
     oneDNN path) get different contracts, and the diff says where and which library."""
     import torch
 
-    from isoexec.contract.ops import gemm, get_impl
+    from isoexec.ops import gemm, get_impl
 
     def sides_linear(impl: ImplInfo) -> dict:
         sites = site_impls(1)

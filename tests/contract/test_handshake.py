@@ -18,7 +18,7 @@ from _handshake_testlib import (
 )
 
 from isoexec.contract.contract import canonical_json
-from isoexec.contract.handshake import (
+from isoexec.handshake import (
     ContractMismatchError,
     HandshakeClient,
     HandshakeError,

@@ -18,8 +18,8 @@ from _handshake_testlib import (
     status,
 )
 
-from isoexec.contract.handshake import HandshakeClient, HandshakeServer, Verdict
-from isoexec.contract.handshake.types import QUERY_METHOD
+from isoexec.handshake import HandshakeClient, HandshakeServer, Verdict
+from isoexec.handshake.types import QUERY_METHOD
 
 
 def _timed_offers(srv: HandshakeServer, run_id: str, contracts: dict) -> tuple[dict, list, float]:

@@ -20,10 +20,10 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "_support"))
 from _contract_testlib import make_contract
 from pki import make_pki
 
-from isoexec.contract.handshake.client import HandshakeClient
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.handshake.tls import ClientTLS, ServerTLS, TLSConfigError
-from isoexec.contract.handshake.types import HandshakeError
+from isoexec.handshake.client import HandshakeClient
+from isoexec.handshake.server import HandshakeServer
+from isoexec.handshake.tls import ClientTLS, ServerTLS, TLSConfigError
+from isoexec.handshake.types import HandshakeError
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +112,14 @@ def test_cli_serves_tls_and_takes_the_token_from_the_environment(
 ) -> None:
     import os
 
-    from isoexec.contract.cli import main
+    from isoexec.tools.cli import main
 
     # No token on the command line, ever: the flag does not exist.
     with pytest.raises(SystemExit):
         main(["handshake", "serve", "--token", TOKEN])
     env = {**os.environ, "ISOEXEC_HANDSHAKE_TOKEN": TOKEN}
     serve = subprocess.Popen(
-        [sys.executable, "-m", "isoexec.contract.cli", "handshake", "serve", "--host", "0.0.0.0",
+        [sys.executable, "-m", "isoexec.tools.cli", "handshake", "serve", "--host", "0.0.0.0",
          "--tls-cert", pki["server"], "--tls-key", pki["server_key"], "--tls-client-ca", pki["ca"],
          "--expect", "trainer=1"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
@@ -132,7 +132,7 @@ def test_cli_serves_tls_and_takes_the_token_from_the_environment(
         contract = tmp_path / "c.json"
         make_contract(1).save(contract)
         offer = subprocess.run(
-            [sys.executable, "-m", "isoexec.contract.cli", "handshake", "offer", "--address",
+            [sys.executable, "-m", "isoexec.tools.cli", "handshake", "offer", "--address",
              f"127.0.0.1:{port}", "--run-id", "cli", "--side", "trainer", "--tls-ca", pki["ca"],
              "--tls-cert", pki["client"], "--tls-key", pki["client_key"], "--timeout", "20",
              str(contract)],
@@ -143,7 +143,7 @@ def test_cli_serves_tls_and_takes_the_token_from_the_environment(
         serve.terminate()
         serve.wait(10)
     insecure = subprocess.run(
-        [sys.executable, "-m", "isoexec.contract.cli", "handshake", "serve", "--host", "0.0.0.0"],
+        [sys.executable, "-m", "isoexec.tools.cli", "handshake", "serve", "--host", "0.0.0.0"],
         capture_output=True, text=True, env=env, timeout=60,
     )  # fmt: skip
     assert insecure.returncode == 2 and "without TLS" in insecure.stderr

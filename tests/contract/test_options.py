@@ -6,8 +6,8 @@ import pytest
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.model_contract import tp_invariant_sites
-from isoexec.contract.ops import get_impl
 from isoexec.contract.options import IsoExecOptions
+from isoexec.ops import get_impl
 
 
 def test_options_round_trip_and_refusals() -> None:

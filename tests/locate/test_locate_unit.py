@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract.cli import main
-from isoexec.contract.locate import format_result, locate
 from isoexec.contract.trace import Trace, TraceFormatError, digest_rows, make_rows, site_layer
+from isoexec.tools.cli import main
+from isoexec.tools.locate import format_result, locate
 
 ISOEXEC = Path(sys.executable).parent / "isoexec"
-CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.contract.cli"]
+CMD = [str(ISOEXEC)] if ISOEXEC.exists() else [sys.executable, "-m", "isoexec.tools.cli"]
 HF = {"architectures": ["Qwen3ForCausalLM"], "num_hidden_layers": 2, "vocab_size": 64}
 SEQS = {0: list(range(3, 15)), 1: list(range(20, 29))}
 WIDTH = 8
@@ -269,8 +269,8 @@ def test_unreadable_or_unalignable_input_is_bad_input(
 
 
 def test_pair_has_the_locate_option() -> None:
-    from isoexec.contract.cli import build_parser
-    from isoexec.contract.pair import ArmResult
+    from isoexec.tools.cli import build_parser
+    from isoexec.tools.pair import ArmResult
 
     args = build_parser("pair").parse_args(["pair", "--locate", "--arms", "isoexec"])
     assert args.locate is True

@@ -49,7 +49,7 @@ def ep_results(
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[tuple[Any, ...], dict[str, Any]]:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("ep-models")
     models = {

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.contract_readback import read_sites, trainer_contract
 from isoexec.megatron.hf_config import _read_source, load_hf_config
@@ -42,7 +42,7 @@ TOLERANCE = 2e-5  # max |Δ logprob| native Megatron vs HF transformers, fp32
 
 @pytest.fixture(scope="module", params=PRESETS)
 def ckpt(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model(request.param, tmp_path_factory.mktemp(request.param), seed=7)
 
@@ -212,7 +212,7 @@ def test_native_packing_negative_control(parallel, tmp_path: Path) -> None:
     (test_gdn_trainer.py, test_qwen35_trainer.py)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     g = torch.Generator().manual_seed(3)
     seqs = [torch.randint(0, VOCAB, (n,), generator=g) for n in (7, 30, 45)]

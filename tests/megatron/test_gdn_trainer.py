@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops import _pointwise as pw
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.canonical_gdn import ATTN_OUTPUT_GATE_IMPL
 from isoexec.megatron.canonical_modules import CanonicalSiteError, qkv_hf_row_order
@@ -34,6 +33,7 @@ from isoexec.megatron.hf_config import UnsupportedConfigError, _read_source, loa
 from isoexec.megatron.model_builder import build_model
 from isoexec.megatron.scoring import score, train_step
 from isoexec.megatron.weights import export_hf_weights, load_hf_weights, read_hf_state_dict
+from isoexec.ops import _pointwise as pw
 
 pytestmark = pytest.mark.trainer
 
@@ -42,14 +42,14 @@ VOCAB = 512
 
 @pytest.fixture(scope="module")
 def gdn_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model("tiny-gdn", tmp_path_factory.mktemp("gdn32"), seed=3)
 
 
 @pytest.fixture(scope="module")
 def gdn_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model("tiny-gdn", tmp_path_factory.mktemp("gdn16"), dtype="bfloat16", seed=4)
 

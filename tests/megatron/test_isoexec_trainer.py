@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.canonical_modules import (
@@ -197,7 +197,7 @@ def test_packing_padding_microbatch_invariance(parallel, request, ckpt_fixture: 
 @pytest.fixture(scope="module")
 def wide_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """hidden 1024, bf16: wide enough that stock GEMMs change bits with the batch shape."""
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model(
         "wide-dense",
@@ -334,9 +334,9 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     gives the same impl."""
     from types import SimpleNamespace
 
-    from isoexec.contract.ops import moe
-    from isoexec.contract.ops.gemm import gemm_library
     from isoexec.contract.options import IsoExecOptions
+    from isoexec.ops import moe
+    from isoexec.ops.gemm import gemm_library
 
     c = trainer_contract(
         build_model(qwen3_moe_dir, isoexec=True, dtype=torch.bfloat16), qwen3_moe_dir

@@ -11,7 +11,7 @@ import pytest
 def test_rope_calls_are_wrapped_only_inside_the_block() -> None:
     import megatron.core.transformer.attention as mattn
 
-    from isoexec.contract import ops
+    from isoexec import ops
     from isoexec.megatron.patches import rope_calls_wrapped
 
     originals = (ops.apply_rope, mattn.apply_rotary_pos_emb)

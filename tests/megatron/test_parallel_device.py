@@ -191,8 +191,8 @@ def test_isoexec_model_reaches_no_dependency_shim(
     """Why a CUDA IsoExec trainer needs none of the dependency shims: a GDN + MoE isoexec model
     builds and scores with Megatron's GatedDeltaNet, its local norm (WrappedTorchNorm) and its
     router gating all made to raise."""
-    from isoexec.contract.tiny_models import make_tiny_model
     from isoexec.megatron import build_model, load_hf_weights, score
+    from isoexec.tools.tiny_models import make_tiny_model
 
     model_dir = make_tiny_model("tiny-gdn", tmp_path / "gdn")
     with megatron_parallel():  # CPU shims applied first: the patches below go over them

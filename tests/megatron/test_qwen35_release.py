@@ -20,7 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.architectures import UnsupportedModelError, text_config
 from isoexec.contract.sites import mlp_kinds, model_sites
 from isoexec.megatron.contract_readback import trainer_contract
@@ -44,7 +44,7 @@ TEXT = "model.language_model."
 
 @pytest.fixture(scope="module")
 def release_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model(PRESET, tmp_path_factory.mktemp("q35moe_32"), seed=3)
 
@@ -241,7 +241,7 @@ def test_dense_vision_language_checkpoint_close_to_hf(parallel, tmp_path: Path, 
     itself: the trainer reads its text model (skipping the vision tower) and agrees with it."""
     from transformers import AutoConfig, AutoModelForImageTextToText
 
-    from isoexec.contract.tiny_models import PRESETS
+    from isoexec.tools.tiny_models import PRESETS
 
     text = {k: v for k, v in PRESETS["tiny-qwen35"].items() if k != "model_type"}
     vision = {**PRESETS[PRESET]["vision_config"], "out_hidden_size": text["hidden_size"]}

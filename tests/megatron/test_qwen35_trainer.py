@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.sites import model_sites
 from isoexec.megatron.contract_readback import trainer_contract
 from isoexec.megatron.hf_config import UnsupportedConfigError, _read_source, load_hf_config
@@ -34,14 +34,14 @@ PRESET = "tiny-qwen35"
 
 @pytest.fixture(scope="module")
 def q35_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model(PRESET, tmp_path_factory.mktemp("q35_32"), seed=5)
 
 
 @pytest.fixture(scope="module")
 def q35_bf16_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return make_tiny_model(PRESET, tmp_path_factory.mktemp("q35_16"), dtype="bfloat16", seed=6)
 

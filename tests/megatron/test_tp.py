@@ -34,7 +34,7 @@ def tp_results(
     run_tp_jobs: Callable[..., list[dict[str, Any]]],
     tmp_path_factory: pytest.TempPathFactory,
 ) -> dict[str, dict[str, Any]]:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("tp-models")
     dense32 = str(make_tiny_model("tiny-dense", root / "dense32", overrides=NARROW_K))
@@ -137,11 +137,11 @@ def test_triton_backend_row_parallel_site_runs_the_triton_leaves(
     `linear_tp` impl and call the Triton module's `linear_tp_shard` (spied here and answered by
     the torch op: this process is not under the interpreter, so no kernel can launch)."""
     pytest.importorskip("triton")
-    from isoexec.contract import ops
-    from isoexec.contract.ops.triton import get_triton_impl
+    from isoexec import ops
     from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron.contract_readback import trainer_contract
     from isoexec.megatron.model_builder import build_model
+    from isoexec.ops.triton import get_triton_impl
 
     model = build_model(qwen3_dir, isoexec=True, options=IsoExecOptions(**TRITON_INV))
     want = get_triton_impl("linear_tp", leaves=8)
@@ -177,7 +177,7 @@ def triton_tp_results(
     """A Triton trainer (TRITON_INTERPRET=1 in the ranks) at TP=1 and TP=2, and a torch one,
     each scoring, taking one SGD step and exporting the trained weights."""
     pytest.importorskip("triton")
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     root = tmp_path_factory.mktemp("tp-triton")
     model = str(make_tiny_model("tiny-dense", root / "dense32", overrides=NARROW_K))

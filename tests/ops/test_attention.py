@@ -10,7 +10,7 @@ from _ops_testlib import assert_grads_match_float64, num_threads
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isoexec.contract.ops import attention_paged, attention_varlen
+from isoexec.ops import attention_paged, attention_varlen
 
 H, HKV, D = 4, 2, 32
 SCALE = D**-0.5
@@ -237,7 +237,7 @@ SAVED_V4 = {
 def test_saved_bits_v4(dtype):
     import hashlib
 
-    from isoexec.contract.ops import REGISTRY
+    from isoexec.ops import REGISTRY
 
     assert REGISTRY["attention"].version == 4
     q, k, v = _qkv(97, dtype, seed=41)

@@ -14,7 +14,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
-from isoexec.contract.ops import gated_rms_norm, gdn_conv, gdn_recurrence
+from isoexec.ops import gated_rms_norm, gdn_conv, gdn_recurrence
 
 HK, HV, K, V = 2, 4, 16, 8
 C, W = 40, 4
@@ -182,7 +182,7 @@ def test_backward_matches_float64():
 def test_sequence_batched_equals_each_alone(dtype, t, with_state):
     """An engine runs equal-length requests (a decode step, equal prompts) as one batch
     through `gdn_sequence`; each must get the bits it gets alone (output and states)."""
-    from isoexec.contract.ops import gdn_sequence
+    from isoexec.ops import gdn_sequence
 
     g = torch.Generator().manual_seed(21)
     hk, hv, kd, vd, w, bsz = 2, 4, 16, 8, 4, 5
@@ -209,7 +209,7 @@ def test_recurrence_under_autograd_is_checkpointed_same_bits_and_grads(monkeypat
     """Training keeps only segment-start states (memory): the forward bits are the no-grad
     kernel's, and the gradients are the same bits whether the backward recomputes in segments
     or in one piece."""
-    import isoexec.contract.ops.gdn as gdn_mod
+    import isoexec.ops.gdn as gdn_mod
 
     g = torch.Generator().manual_seed(22)
     t, hk, hv, kd, vd = 150, 2, 4, 16, 8
@@ -336,7 +336,7 @@ def test_kernel_threads_1_and_2_identical():
 
 def test_kernel_value_block_width_changes_no_bit():
     """A state column never reads another: the kernel's column blocking is speed only."""
-    import isoexec.contract.ops.gdn as gdn_mod
+    import isoexec.ops.gdn as gdn_mod
 
     x, s0 = _batch(2, 20, 1, 2, 24, 72, seed=35)
     ref = gdn_mod._forward(*x, s0, v_block=16)
@@ -375,7 +375,7 @@ def test_kernel_gates_extreme_values():
 def test_kernel_gradients_match_float64(monkeypatch, segment):
     """Every input's gradient (the initial state and A_log/dt_bias included, through o and the
     final state), across several checkpoint segments and with one, against float64 autograd."""
-    import isoexec.contract.ops.gdn as gdn_mod
+    import isoexec.ops.gdn as gdn_mod
 
     monkeypatch.setattr(gdn_mod, "GRAD_SEGMENT", segment)
     x, s0 = _batch(2, 37, 2, 4, 24, 40, seed=38)
@@ -416,7 +416,7 @@ def test_kernel_gradients_low_precision_inputs_and_partial_requires_grad():
 def test_kernel_negative_control_torch_op_loop_differs():
     """v1's torch-op token loop (the same maths, torch's sums and exp) gives other bits than
     the kernel: the bitwise tests above would see a changed kernel."""
-    import isoexec.contract.ops.gdn as gdn_mod
+    import isoexec.ops.gdn as gdn_mod
 
     x, s0 = _batch(2, 30, 2, 4, 64, 32, seed=41)
     o, s = gdn_recurrence(*x, s0)
@@ -439,7 +439,7 @@ SAVED_V2 = {
 def test_saved_bits_v2(dtype):
     import hashlib
 
-    from isoexec.contract.ops import REGISTRY
+    from isoexec.ops import REGISTRY
 
     assert REGISTRY["gdn_recurrence"].version == 2
     x, s0 = _batch(2, 33, 2, 4, 32, 48, dtype, seed=42)
@@ -449,7 +449,7 @@ def test_saved_bits_v2(dtype):
 
 
 def test_fingerprint_covers_the_kernel_source(monkeypatch):
-    from isoexec.contract.ops import REGISTRY, cpu_kernels, get_impl
+    from isoexec.ops import REGISTRY, cpu_kernels, get_impl
 
     info = REGISTRY["gdn_recurrence"]
     assert info.version == 2 and info.param_dict()["lanes"] == "16"
@@ -470,7 +470,7 @@ def test_refuses_other_devices_and_grad_reference_runs_anywhere():
     meta = [t.to("meta") for t in x]
     with pytest.raises(ValueError, match="runs on CPU"):
         gdn_recurrence(*meta)
-    from isoexec.contract.ops.gdn import gdn_recurrence_grad_reference
+    from isoexec.ops.gdn import gdn_recurrence_grad_reference
 
     o, st = gdn_recurrence_grad_reference(*meta)
     assert o.device.type == "meta" and st.shape == s0.shape
@@ -490,7 +490,7 @@ def test_in_place_cache_equals_gathered_states(dtype, vd, vk):
     seen as [slot, HV, K, V] through a transposed view; or [slot, HV, K, V] itself), at
     scattered slots: the same output and new states, bit for bit, as the gathered-state call;
     fresh requests (no state) too; the other slots untouched; bad slots refused."""
-    from isoexec.contract.ops import gdn_recurrence_in_place
+    from isoexec.ops import gdn_recurrence_in_place
 
     x, s0 = _batch(3, 5, 1, 2, 32, vd, dtype=dtype, seed=61)
     slots = torch.tensor([4, 0, 2])
@@ -511,7 +511,7 @@ def test_in_place_cache_equals_gathered_states(dtype, vd, vk):
     # through gdn_sequence, as the engine calls it (the recurrence's state argument None)
     import functools
 
-    from isoexec.contract.ops import gdn_conv, gdn_sequence
+    from isoexec.ops import gdn_conv, gdn_sequence
 
     hk, hv, kd, vd = 1, 2, 32, 16
     mixed = torch.randn(3, 4, 2 * hk * kd + hv * vd).to(dtype)

@@ -9,7 +9,7 @@ from _ops_testlib import assert_row_invariant, assert_row_variant, num_threads, 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from isoexec.contract.ops import (
+from isoexec.ops import (
     gemm,
     get_impl,
     linear,
@@ -18,7 +18,7 @@ from isoexec.contract.ops import (
     tp_linear_from_shards,
     tp_tree_sum,
 )
-from isoexec.contract.ops.gemm import gemm_library
+from isoexec.ops.gemm import gemm_library
 
 K, N = 1024, 256
 
@@ -203,7 +203,7 @@ def test_gemm_library_names_the_branch_block_gemm_takes(monkeypatch):
 
 _VERBOSE_PROBE = """
 import sys, torch
-from isoexec.contract.ops import gemm
+from isoexec.ops import gemm
 x, w = torch.randn(64, 256), torch.randn(128, 256)
 for name, dtype, ours in (("fp32", torch.float32, True), ("bf16", torch.bfloat16, True),
                           ("fp32-no-onednn", torch.float32, False)):

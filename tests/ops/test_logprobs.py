@@ -6,7 +6,7 @@ import pytest
 import torch
 from _ops_testlib import assert_grads_match_float64, assert_row_invariant, assert_row_variant
 
-from isoexec.contract.ops import log_softmax, token_logprobs, token_logprobs_vocab_parallel
+from isoexec.ops import log_softmax, token_logprobs, token_logprobs_vocab_parallel
 
 V = 1000
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoexec.contract.ops import (
+from isoexec.ops import (
     fold_scaling,
     get_impl,
     lora_apply,
@@ -106,7 +106,7 @@ def test_the_contract_records_the_padded_rank() -> None:
 def test_adapter_fingerprint_covers_the_config_and_the_tensors() -> None:
     """The same tensors under another alpha are another adapter (vLLM folds alpha / r into B)."""
     from isoexec.contract.adapter import SUPPORTED_TARGETS, AdapterConfig, adapter_fingerprint
-    from isoexec.contract.tiny_lora import LORA_TARGETS
+    from isoexec.tools.tiny_lora import LORA_TARGETS
 
     assert set(LORA_TARGETS) == set(SUPPORTED_TARGETS)
     t = {"a": torch.ones(2, 3)}

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from _ops_testlib import assert_grads_match_float64, assert_row_invariant, assert_row_variant
 
-from isoexec.contract.ops import moe_combine, moe_experts, moe_router, moe_weighted_sum
+from isoexec.ops import moe_combine, moe_experts, moe_router, moe_weighted_sum
 
 E, TOPK, HID, INTER = 8, 2, 256, 96
 
@@ -137,7 +137,7 @@ def test_expert_split_outputs_reassemble_exactly(dtype):
     """Expert parallelism's exchange: each half of the experts fills its slots and leaves -0.0
     elsewhere; the halves' sum (either order) is the whole-expert output bit for bit, signed
     zeros included, and `moe_combine(expert_out=...)` on it equals `moe_combine`."""
-    from isoexec.contract.ops import moe_experts
+    from isoexec.ops import moe_experts
 
     w13, w2, wr, sh13, sh2, shg = _weights(dtype)
     x = torch.randn(37, HID, generator=torch.Generator().manual_seed(3)).to(dtype)
@@ -187,7 +187,7 @@ def test_grouped_gemm_rows_alone_and_accuracy(dtype, k):
     """The kernel itself: every row of every group equals that row run alone (edge blocks of
     1..3 rows and columns, a K tail past the last 16-lane chunk), within fp32 accuracy of a
     float64 reference, for each input dtype."""
-    from isoexec.contract.ops import moe
+    from isoexec.ops import moe
 
     g = torch.Generator().manual_seed(6)
     # groups of 1 and 2 rows (4-row blocks), 5 and 14 (one block of the group's rows: 2 and
@@ -229,7 +229,7 @@ def test_grouped_gemm_is_its_written_order(dtype, lanes):
     """The kernel's bits are the order its header writes down, for every register block it
     picks: groups of 1..17 rows (4-row blocks, one block of the group's rows 2 or 1 weight
     rows wide, 4 x 4 blocks past 16) and 39, 37 output columns (edge blocks), a K tail."""
-    from isoexec.contract.ops import moe
+    from isoexec.ops import moe
 
     g = torch.Generator().manual_seed(12)
     sizes = [*range(1, 18), 39]
@@ -246,7 +246,7 @@ def test_grouped_gemm_is_its_written_order(dtype, lanes):
 def test_negative_control_v1_onednn_blocks_differ():
     """v1's experts (32-row zero-padded oneDNN blocks, FMA, its own K blocking) give other bits
     than the kernel: the fixed order is a real choice, so a side on v1 must not MATCH."""
-    from isoexec.contract.ops import linear, moe, silu_mul
+    from isoexec.ops import linear, moe, silu_mul
 
     x, _w, ids, w13, w2, _ = _routed(torch.float32, 40, seed=7)
     v1 = torch.zeros(ids.shape[0], ids.shape[1], w2.shape[1])
@@ -260,7 +260,7 @@ def test_negative_control_v1_onednn_blocks_differ():
 
 def test_lanes_is_a_real_parameter():
     """Another lane count is another reduction order: other bits, same accuracy."""
-    from isoexec.contract.ops import moe
+    from isoexec.ops import moe
 
     x, w, ids, w13, w2, kw = _routed(torch.float32, 20, seed=8)
     a = moe_combine(x, w, ids, w13, w2, lanes=16, **kw)
@@ -274,7 +274,7 @@ def test_backward_with_shared_expert_and_slot_inputs_matches_float64():
     """The trainer's shape: per-slot inputs [T, k, H] (each slot's gradient its own) into
     `moe_experts`, then the combine with the shared expert; fp32 gradients of every input
     (slots, routed and shared weights, gate) against float64."""
-    from isoexec.contract.ops import moe_experts
+    from isoexec.ops import moe_experts
 
     x, w, ids, w13, w2, kw = _routed(torch.float32, 6, seed=9)
     slots = x[:, None].expand(-1, TOPK, -1).contiguous()
@@ -307,7 +307,7 @@ def test_registry_v5_records_which_expert_gemm_runs(monkeypatch):
     AMX-BF16, else (and in fp16) the linear's blocks with their library, exactly as a linear
     site in that dtype records it; its fingerprint changes when moe.cpp's text does, another
     op's does not."""
-    from isoexec.contract.ops import (
+    from isoexec.ops import (
         GEMM_DTYPES,
         REGISTRY,
         cpu_kernels,
@@ -315,7 +315,7 @@ def test_registry_v5_records_which_expert_gemm_runs(monkeypatch):
         get_impl,
         moe,
     )
-    from isoexec.contract.ops.gemm import gemm_library
+    from isoexec.ops.gemm import gemm_library
 
     info = REGISTRY["moe_combine"]
     assert info.version == 5 and "moe_combine" not in GEMM_DTYPES
@@ -353,7 +353,7 @@ def test_bf16_fp16_experts_are_the_canonical_linear_per_expert(dtype, monkeypatc
     the CPU has none.) Negative control: the grouped kernel (the fp32 path, which also takes
     these dtypes) gives other bits on the same inputs, so which GEMM runs is a real, recorded
     choice."""
-    from isoexec.contract.ops import linear, moe, silu_mul
+    from isoexec.ops import linear, moe, silu_mul
 
     monkeypatch.setattr(moe, "amx_available", lambda: False)
 
@@ -398,7 +398,7 @@ SAVED_V3 = {
 def test_saved_bits_v3(dtype):
     import hashlib
 
-    from isoexec.contract.ops import REGISTRY, moe
+    from isoexec.ops import REGISTRY, moe
 
     assert REGISTRY["moe_combine"].version == 5  # v4 and v5 kept the grouped kernel's bits
     g = torch.Generator().manual_seed(10)

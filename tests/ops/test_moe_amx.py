@@ -12,7 +12,7 @@ import hashlib
 import pytest
 import torch
 
-from isoexec.contract.ops import gemm, moe
+from isoexec.ops import gemm, moe
 
 needs_amx = pytest.mark.skipif(
     not moe.amx_available(),
@@ -93,7 +93,7 @@ SAVED_V5 = "6bbcef905b1fd8cf"
 
 @needs_amx
 def test_saved_bits_v5():
-    from isoexec.contract.ops import REGISTRY
+    from isoexec.ops import REGISTRY
 
     assert REGISTRY["moe_combine"].version == 5
     x, w = _inputs(45, 37, 100, seed=10)
@@ -127,7 +127,7 @@ def test_bf16_experts_run_the_amx_kernel(monkeypatch):
     between) and never the linear's blocks: its output is the kernel's, composed by hand, and
     the calls are counted (on this CPU the blocks often give the same bits, so equal outputs
     alone would not tell the two apart)."""
-    from isoexec.contract.ops import silu_mul
+    from isoexec.ops import silu_mul
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(19, 96, generator=g).to(torch.bfloat16)

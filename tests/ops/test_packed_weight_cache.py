@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from isoexec.contract import ops
-from isoexec.contract.ops import gemm
+from isoexec import ops
+from isoexec.ops import gemm
 
 
 def test_cache_off_by_default_sees_data_writes() -> None:

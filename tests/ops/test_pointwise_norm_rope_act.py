@@ -13,8 +13,8 @@ from _ops_testlib import (
     ulp_bound,
 )
 
-from isoexec.contract.ops import apply_rope, gated_rms_norm, rms_norm, rope_cos_sin, silu_mul
-from isoexec.contract.ops._pointwise import padded_length, pointwise
+from isoexec.ops import apply_rope, gated_rms_norm, rms_norm, rope_cos_sin, silu_mul
+from isoexec.ops._pointwise import padded_length, pointwise
 
 H = 300  # not a multiple of the SIMD width: a row's tail lands on scalar or vector paths
 DTYPES = [torch.float32, torch.bfloat16]
@@ -257,7 +257,7 @@ def test_rope_table_lookup_equals_computed_tables():
     """The engine's rope reads cos/sin from a table of positions 0..n-1 (built once, rebuilt
     when a position reaches past it): bit for bit `rope_cos_sin` of the same positions, in
     any order and batch, past the first table's end too; a negative position is computed."""
-    from isoexec.contract.ops import rope as rope_mod
+    from isoexec.ops import rope as rope_mod
 
     rope_mod._TABLES.clear()
     g = torch.Generator().manual_seed(3)

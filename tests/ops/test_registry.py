@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops import (
+from isoexec.ops import (
     GEMM_DTYPES,
     OP_OF_VARIANT,
     REGISTRY,
@@ -14,7 +14,7 @@ from isoexec.contract.ops import (
     get_backend_impl,
     get_impl,
 )
-from isoexec.contract.ops.gemm import gemm_library
+from isoexec.ops.gemm import gemm_library
 
 OPS = {
     "linear",

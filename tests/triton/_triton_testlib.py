@@ -26,7 +26,7 @@ SKIP_REASON = (
 def interpreting() -> bool:
     if not HAVE_TRITON:
         return False
-    from isoexec.contract.ops.triton._runtime import interpreting as _interp
+    from isoexec.ops.triton._runtime import interpreting as _interp
 
     return _interp()
 

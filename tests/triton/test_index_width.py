@@ -36,7 +36,7 @@ from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction
 
-from isoexec.contract.ops.triton import (
+from isoexec.ops.triton import (
     attention,
     elementwise,
     gdn,

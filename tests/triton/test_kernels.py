@@ -2,7 +2,7 @@
 shards) and accuracy against the torch canonical op; backward passes are correct.
 
 Runs on CUDA, or on CPU under the interpreter (see _triton_testlib); the checks themselves
-live in `isoexec.contract.ops.triton.selfcheck` so the GPU script runs the same ones.
+live in `isoexec.ops.triton.selfcheck` so the GPU script runs the same ones.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from _triton_testlib import DEVICE, kernel_marks
 
 pytestmark = kernel_marks()
 
-from isoexec.contract.ops import gemm as t_gemm  # noqa: E402
-from isoexec.contract.ops import triton as xops  # noqa: E402
-from isoexec.contract.ops.triton.selfcheck import (  # noqa: E402
+from isoexec.ops import gemm as t_gemm  # noqa: E402
+from isoexec.ops import triton as xops  # noqa: E402
+from isoexec.ops.triton.selfcheck import (  # noqa: E402
     CHECKS,
     DTYPES,
     TOLERANCE,
@@ -105,7 +105,7 @@ def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -
     """On CUDA the torch backend's compiled CPU kernels cannot run, so a Triton op's backward
     must differentiate a device-agnostic reference: with the kernels made unavailable, the
     attention and GDN backwards still give the reference gradients."""
-    from isoexec.contract.ops import cpu_kernels
+    from isoexec.ops import cpu_kernels
 
     def unavailable(name: str) -> None:
         raise RuntimeError(f"the {name} CPU kernel was called from a Triton backward")
@@ -117,7 +117,7 @@ def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -
     ins = [torch.randn(*s, generator=g).requires_grad_() for s in shapes]
     got = torch.autograd.grad(xops.gdn_recurrence(*ins)[0].sum(), ins)
     monkeypatch.undo()
-    from isoexec.contract.ops import gdn_recurrence
+    from isoexec.ops import gdn_recurrence
 
     want = torch.autograd.grad(gdn_recurrence(*ins)[0].sum(), ins)
     for a, b in zip(got, want, strict=True):
@@ -125,7 +125,7 @@ def test_backward_never_needs_the_cpu_kernels(monkeypatch: pytest.MonkeyPatch) -
 
 
 def test_backward_gdn_matches_torch_op() -> None:
-    from isoexec.contract.ops import gdn_recurrence
+    from isoexec.ops import gdn_recurrence
 
     g = torch.Generator().manual_seed(2)
     ins = [

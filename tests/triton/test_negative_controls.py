@@ -12,10 +12,10 @@ from _triton_testlib import DEVICE, kernel_marks
 
 pytestmark = kernel_marks()
 
-from isoexec.contract.ops import triton as xops  # noqa: E402
-from isoexec.contract.ops.triton import gemm as xgemm  # noqa: E402
-from isoexec.contract.ops.triton import moe as xmoe  # noqa: E402
-from isoexec.contract.ops.triton.selfcheck import row_mismatches  # noqa: E402
+from isoexec.ops import triton as xops  # noqa: E402
+from isoexec.ops.triton import gemm as xgemm  # noqa: E402
+from isoexec.ops.triton import moe as xmoe  # noqa: E402
+from isoexec.ops.triton.selfcheck import row_mismatches  # noqa: E402
 
 
 def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -25,9 +25,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 pytestmark = kernel_marks()
 
-from isoexec.contract.ops import attention as t_attn  # noqa: E402
-from isoexec.contract.ops.triton import attention as x_attn  # noqa: E402
-from isoexec.contract.ops.triton.selfcheck import TOLERANCE, _err  # noqa: E402
+from isoexec.ops import attention as t_attn  # noqa: E402
+from isoexec.ops.triton import attention as x_attn  # noqa: E402
+from isoexec.ops.triton.selfcheck import TOLERANCE, _err  # noqa: E402
 
 H, HKV, D = 4, 2, 16
 SCALE = D**-0.5

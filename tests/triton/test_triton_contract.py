@@ -16,16 +16,16 @@ pytest.importorskip("triton")
 from isoexec.contract.contract import BackendIdentity
 from isoexec.contract.diff import diff
 from isoexec.contract.model_contract import contract_for
-from isoexec.contract.ops import (
+from isoexec.contract.sites import model_sites
+from isoexec.ops import (
     BACKENDS,
     REGISTRY,
     TORCH_ONLY,
     backend_ops,
     get_backend_impl,
 )
-from isoexec.contract.ops.triton import TRITON_REGISTRY, get_triton_impl
-from isoexec.contract.sites import model_sites
-from isoexec.contract.tiny_models import PRESETS
+from isoexec.ops.triton import TRITON_REGISTRY, get_triton_impl
+from isoexec.tools.tiny_models import PRESETS
 
 ARCH = {
     "qwen3": "Qwen3ForCausalLM",
@@ -145,7 +145,7 @@ def test_vocab_parallel_logprobs_are_refused_under_autograd() -> None:
     before any kernel runs; without autograd the refusal does not apply."""
     import torch
 
-    from isoexec.contract.ops.triton import logprobs as triton_lp
+    from isoexec.ops.triton import logprobs as triton_lp
 
     shard = torch.randn(3, 16, requires_grad=True)
     with pytest.raises(RuntimeError, match="forward only"):

@@ -89,7 +89,7 @@ def _vllm_config(model: str, **kwargs: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def dense_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     return str(make_tiny_model("tiny-dense", tmp_path_factory.mktemp("m") / "tiny-dense"))
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from isoexec.contract.pair import make_prompts
+from isoexec.tools.pair import make_prompts
 from isoexec.vllm.engine_process import SamplingSpec
 
 pytestmark = pytest.mark.engine

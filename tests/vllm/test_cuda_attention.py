@@ -35,7 +35,7 @@ from vllm.v1.attention.backends import registry
 from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from vllm.v1.attention.backends.triton_attn import TritonAttentionImpl, TritonAttentionMetadata
 
-from isoexec.contract.ops import get_backend_impl
+from isoexec.ops import get_backend_impl
 from isoexec.vllm import cuda_attention as ca
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.readback import _impl_of
@@ -51,7 +51,7 @@ PAD = 2  # padded tokens after the step's tokens (slot -1: written nowhere, not 
 
 
 def _interpreting() -> bool:
-    from isoexec.contract.ops.triton._runtime import interpreting
+    from isoexec.ops.triton._runtime import interpreting
 
     return interpreting()
 
@@ -308,7 +308,7 @@ def _expected_cache(c: dict[str, Any]) -> torch.Tensor:
 def test_kernel_forward_writes_the_cache_and_equals_the_canonical_op(
     engine: Any, dtype: torch.dtype, layout: str
 ) -> None:
-    from isoexec.contract.ops.triton import attention as x_attn
+    from isoexec.ops.triton import attention as x_attn
 
     device = "cuda" if CUDA else "cpu"
     c = _step(dtype, layout, device)

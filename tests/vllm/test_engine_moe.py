@@ -60,7 +60,7 @@ WIDE_MOE = {
 
 @pytest.fixture(scope="module")
 def wide_moe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     out = tmp_path_factory.mktemp("models") / "wide-moe-bfloat16"
     return str(make_tiny_model("tiny-moe", out, dtype="bfloat16", overrides=WIDE_MOE))

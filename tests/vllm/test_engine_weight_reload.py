@@ -36,7 +36,7 @@ from _invariance import prompt
 from safetensors.torch import load_file, save_file
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
+from isoexec.handshake.server import HandshakeServer
 from isoexec.vllm.engine_process import Completion, EngineProcess, SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.handshake.server import HandshakeServer
+from isoexec.handshake.server import HandshakeServer
 from isoexec.vllm.engine_process import EngineConfig, EngineError, EngineProcess, SamplingSpec
 
 pytestmark = pytest.mark.engine

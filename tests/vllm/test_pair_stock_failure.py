@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from isoexec.contract import pair
-from isoexec.contract.pair_report import format_table
+from isoexec.tools import pair
+from isoexec.tools.pair_report import format_table
 from isoexec.vllm.engine_process import EngineError
 
 UPSTREAM = (

@@ -12,7 +12,7 @@ import torch
 from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.vllm.sampler import IsoSampler, canonical_logprobs
 
 V = 4096

@@ -48,7 +48,7 @@ def test_contradicting_flags_are_refused(arg: str) -> None:
 
 
 def test_cli_refuses_with_exit_code_2(capsys: pytest.CaptureFixture[str]) -> None:
-    from isoexec.contract.cli import main
+    from isoexec.tools.cli import main
 
     assert main(["engine", "serve", "/m", "--logprobs-mode", "raw_logprobs"]) == 2
     assert "--logprobs-mode is set by" in capsys.readouterr().err
@@ -65,8 +65,8 @@ def test_the_middleware_named_is_the_routes_function() -> None:
 
 
 def test_handshake_flags_reach_vllm_as_additional_config(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
-    from isoexec.contract.cli import main
-    from isoexec.contract.served import ServedHandshake
+    from isoexec.handshake.served import ServedHandshake
+    from isoexec.tools.cli import main
 
     token = tmp_path / "token"
     token.write_text("s3cret\n")

@@ -16,9 +16,9 @@ pytest.importorskip("triton")
 
 import vllm.config
 
-from isoexec.contract import ops
-from isoexec.contract.ops.triton import get_triton_impl
-from isoexec.contract.ops.triton.selfcheck import in_order_gather
+from isoexec import ops
+from isoexec.ops.triton import get_triton_impl
+from isoexec.ops.triton.selfcheck import in_order_gather
 from isoexec.vllm import collectives, layers
 
 

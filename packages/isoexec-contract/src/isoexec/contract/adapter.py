@@ -21,6 +21,8 @@ from typing import Any
 
 from isoexec.contract.fingerprint import WeightFingerprint
 
+# Where PEFT names a decoder layer's adapter tensors: `{PEFT_PREFIX}.{i}.{parent}.{module}...`
+PEFT_PREFIX = "base_model.model.model.layers"
 # The PEFT target modules IsoExec applies canonically on both sides.
 SUPPORTED_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
@@ -116,6 +118,7 @@ def served_weights_fingerprint(weights: str, adapter: str | None) -> str:
 
 
 __all__ = [
+    "PEFT_PREFIX",
     "SUPPORTED_TARGETS",
     "AdapterConfig",
     "LoraAdapterError",

@@ -1,7 +1,7 @@
 """The execution contract: what each side actually installed, as canonical, hashable bytes.
 
 The trainer and the engine each build a `Contract` from their live model after installation
-and exchange it (see `isoexec.contract.handshake`). Equal SHA-256 of the canonical bytes means
+and exchange it (see `isoexec.handshake`). Equal SHA-256 of the canonical bytes means
 both sides run the same op implementations under the same numerics-relevant facts.
 
 Canonical form (schema version 2)

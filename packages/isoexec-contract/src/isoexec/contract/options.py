@@ -17,6 +17,9 @@ VLLM_ADDITIONAL_CONFIG_KEY = "isoexec"
 # vLLM's logprobs modes that are logprobs (its *_logits modes are not): "processed_logprobs",
 # the distribution sampled from (logits / T), and "raw_logprobs", the model's (T=1).
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+# Whose kernels the sites run: "torch" (the reference, any device) or "triton" (`isoexec.ops`
+# registers one implementation per op for each).
+BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -41,8 +44,6 @@ class IsoExecOptions:
     logprobs_mode: str = "processed_logprobs"
 
     def __post_init__(self) -> None:
-        from isoexec.contract.ops import BACKENDS
-
         if not isinstance(self.tp_invariant, bool):
             raise TypeError(
                 f"IsoExec option 'tp_invariant' must be a bool, got {self.tp_invariant!r}"
@@ -72,4 +73,4 @@ class IsoExecOptions:
         return cls(**raw)
 
 
-__all__ = ["LOGPROBS_MODES", "VLLM_ADDITIONAL_CONFIG_KEY", "IsoExecOptions"]
+__all__ = ["BACKENDS", "LOGPROBS_MODES", "VLLM_ADDITIONAL_CONFIG_KEY", "IsoExecOptions"]

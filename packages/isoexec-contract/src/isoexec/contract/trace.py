@@ -2,7 +2,7 @@
 
 Why: when trainer and engine are not bitwise equal, the logprobs only say *that* they differ;
 a trace of both sides, aligned by (sequence, site, absolute position), says *where* they first
-part ways (`isoexec.contract.locate`). Both sides write the same format, keyed by the
+part ways (`isoexec.tools.locate`). Both sides write the same format, keyed by the
 framework-neutral site names of `isoexec.contract.sites`.
 
 Recording is a session, never a mode: the side tracers (`isoexec.vllm.trace`,

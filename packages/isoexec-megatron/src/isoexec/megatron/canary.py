@@ -14,8 +14,8 @@ from isoexec.contract.canary import canary_probe
 from isoexec.megatron.scoring import _vocab_size, score
 
 if TYPE_CHECKING:
-    from isoexec.contract.handshake.canary_board import CanaryVerdict
-    from isoexec.contract.handshake.tls import ClientTLS
+    from isoexec.handshake.canary_board import CanaryVerdict
+    from isoexec.handshake.tls import ClientTLS
 
 TRAINER_SIDE = "trainer"
 
@@ -42,7 +42,7 @@ def offer_canary(
     """Score the probe and offer it as trainer/`rank` for `weights_version` (0: the weights both
     sides loaded at start; +1 per sync); waits for the engine's. The verdict's summary names
     the first differing position and both values on MISMATCH, and the time scoring took."""
-    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.handshake.client import HandshakeClient
 
     started = time.perf_counter()
     values = canary_logprobs(model, run_id)
@@ -71,7 +71,7 @@ def canary_with_served_engine(
     `model`)."""
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    from isoexec.contract.served import served_canary
+    from isoexec.handshake.served import served_canary
 
     pool = ThreadPoolExecutor(2, thread_name_prefix="isoexec-canary")
     try:

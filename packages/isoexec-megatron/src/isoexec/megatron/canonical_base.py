@@ -9,7 +9,7 @@ from types import ModuleType
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.protocol import LM_HEAD_ROW_PADDING, SiteRefusedError
 from megatron.core.transformer.transformer_config import TransformerConfig

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_modules import (
     CanonicalSiteError,
@@ -47,7 +47,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-# The gate is shared with the other side: isoexec.contract.ops.attn_output_gate.
+# The gate is shared with the other side: isoexec.ops.attn_output_gate.
 attn_output_gate = ops.attn_output_gate
 ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 

@@ -1,6 +1,6 @@
 """Megatron-core modules whose numerics are IsoExec's canonical ops, for the ModuleSpec slots.
 
-The engine side (`isoexec.vllm.layers`, `attention`, `sampler`) calls `isoexec.contract.ops` at
+The engine side (`isoexec.vllm.layers`, `attention`, `sampler`) calls `isoexec.ops` at
 every site; each class here calls the same op, with the same dtypes, the same weight layout
 and the same roundings, so the trainer's logprobs are the engine's bit for bit. Every class
 subclasses (or replaces, constructor-compatible) the Megatron module of its slot, so weight

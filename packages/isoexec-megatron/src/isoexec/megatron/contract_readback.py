@@ -221,7 +221,7 @@ def _check_gemm_placement(
     a GEMM site's library, the MoE site's expert GEMM) recorded it for the device and dtype
     the config builds on (`site_impl`); a model moved or cast since would carry wrong records:
     refused."""
-    from isoexec.contract.ops import depends_on_placement
+    from isoexec.ops import depends_on_placement
 
     config = getattr(model, "config", None)
     placed = (i for i in sites.values() if not i.is_native and depends_on_placement(i.op))

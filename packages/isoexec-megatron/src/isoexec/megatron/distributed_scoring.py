@@ -60,8 +60,8 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
         load_hf_weights(model, job["model"])
         hs = job.get("handshake")
         if hs:
-            from isoexec.contract.handshake.tls import ClientTLS
-            from isoexec.contract.handshake.token import read_token_file
+            from isoexec.handshake.tls import ClientTLS
+            from isoexec.handshake.token import read_token_file
             from isoexec.megatron.offer import offer_contract, trainer_rank
 
             token = read_token_file(hs["token_file"])

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 
 
 def padded_units(num_units: int, dp: int) -> int:

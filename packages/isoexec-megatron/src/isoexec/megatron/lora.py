@@ -1,5 +1,5 @@
 """LoRA on the trainer: a PEFT adapter on a canonical Megatron model, through the canonical LoRA
-op (`isoexec.contract.ops.lora`), the same op the engine's punica wrapper runs.
+op (`isoexec.ops.lora`), the same op the engine's punica wrapper runs.
 
 `attach_lora(model, adapter_dir, rank=R)` loads the adapter as trainable parameters (the
 base's are frozen) and hooks each targeted Megatron linear: its output, seen in vLLM's slice
@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.adapter import (
+    PEFT_PREFIX,
     AdapterConfig,
     LoraAdapterError,
     adapter_fingerprint,
@@ -32,9 +33,8 @@ from isoexec.contract.adapter import (
 )
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops import fold_scaling, lora_apply, pad_rank
-from isoexec.contract.tiny_lora import PEFT_PREFIX
 from isoexec.megatron.canonical_base import CanonicalSiteError, _tp_size, site_impl
+from isoexec.ops import fold_scaling, lora_apply, pad_rank
 
 # PEFT module -> (Megatron module under decoder.layers.{i}, slice index within its output)
 _TARGETS = {
@@ -123,7 +123,7 @@ class TrainerLora:
 
     def impl(self, device: str, dtype: torch.dtype) -> ImplInfo:
         """What the LoRA sites run (the contract's `lora` record)."""
-        from isoexec.contract.ops import get_impl
+        from isoexec.ops import get_impl
 
         return get_impl("lora", device=device, dtype=dtype, rank=self.rank)
 

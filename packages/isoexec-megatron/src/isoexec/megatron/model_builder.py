@@ -340,8 +340,8 @@ def build_model(
         apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
 
     spec = block_spec(arch, sub)  # first: refuses what these modules cannot build
-    from isoexec.contract.ops.gemm import DEFAULT_TP_LEAVES
     from isoexec.megatron.pipeline import current_stage
+    from isoexec.ops.gemm import DEFAULT_TP_LEAVES
 
     leaves = DEFAULT_TP_LEAVES if tp_invariant else None
     pp = ps.get_pipeline_model_parallel_world_size()

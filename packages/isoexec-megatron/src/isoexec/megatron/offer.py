@@ -11,8 +11,8 @@ import torch
 from isoexec.megatron.contract_readback import trainer_contract
 
 if TYPE_CHECKING:
-    from isoexec.contract.handshake.tls import ClientTLS
-    from isoexec.contract.handshake.types import Verdict
+    from isoexec.handshake.tls import ClientTLS
+    from isoexec.handshake.types import Verdict
 
 TRAINER_SIDE = "trainer"
 
@@ -40,7 +40,7 @@ def offer_contract(
     directory or its config, as for `trainer_contract`) as trainer/`rank` (default: this
     process's rank) for `run_id`; waits for the run's verdict. MISMATCH is returned, not
     raised (`verdict.raise_for_mismatch()` stops)."""
-    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.handshake.client import HandshakeClient
 
     contract = trainer_contract(model, hf_config, dtype)
     with HandshakeClient(address, token, timeout_s=timeout_s, tls=tls) as client:

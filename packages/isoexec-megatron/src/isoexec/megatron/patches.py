@@ -4,7 +4,7 @@ was written against; the model itself is composed through Megatron's own extensi
 `ModuleSpec` (`layer_specs.py`).
 
 - `rope_calls_wrapped`: tracing only. RoPE has no module on the trainer, so a forward hook
-  cannot see it: IsoExec's core attention calls `isoexec.contract.ops.apply_rope`, a native
+  cannot see it: IsoExec's core attention calls `isoexec.ops.apply_rope`, a native
   Megatron attention the module-global `megatron.core.transformer.attention
   .apply_rotary_pos_emb`. Both names are rebound to a wrapper for the length of a trace and
   restored on exit (also on error).
@@ -29,7 +29,7 @@ class MegatronVersionError(RuntimeError):
 def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
     """Within the block, every RoPE application on the trainer runs `wrap(original)`."""
     import megatron.core.transformer.attention as mattn
-    from isoexec.contract import ops
+    from isoexec import ops
 
     if not hasattr(mattn, "apply_rotary_pos_emb"):
         raise MegatronVersionError(

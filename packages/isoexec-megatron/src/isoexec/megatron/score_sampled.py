@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.served import SamplingRecord, SamplingRecordError
+from isoexec.handshake.served import SamplingRecord, SamplingRecordError
 from isoexec.megatron.scoring import score
 
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units

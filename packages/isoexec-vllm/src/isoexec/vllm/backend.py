@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
 from isoexec.vllm.compiled_ops import CompiledOps
@@ -26,7 +26,7 @@ def engine_options() -> IsoExecOptions:
 
 
 def engine_ops() -> CompiledOps:
-    """The engine backend's ops (`isoexec.contract.ops` or its Triton twin), with the calls
+    """The engine backend's ops (`isoexec.ops` or its Triton twin), with the calls
     made inside vLLM's compiled model as opaque custom ops (`compiled_ops`)."""
     return CompiledOps(engine_options().backend)
 

@@ -14,8 +14,8 @@ from dataclasses import asdict
 from typing import Any
 
 from isoexec.contract.canary import canary_probe
-from isoexec.contract.handshake.client import HandshakeClient
-from isoexec.contract.handshake.tls import ClientTLS
+from isoexec.handshake.client import HandshakeClient
+from isoexec.handshake.tls import ClientTLS
 from vllm import SamplingParams
 
 ENGINE_SIDE = "engine"

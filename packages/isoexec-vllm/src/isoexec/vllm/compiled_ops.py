@@ -12,7 +12,7 @@ generates around them is data movement (views, splits, concatenation, gathers), 
 `CompiledOps(backend)` is what engine sites hold as `self.ops`: the backend's ops module with
 the calls made inside the compiled region routed through the custom ops; everything else
 (the sampler's log-softmax, the GDN recurrence inside its own opaque core) passes through.
-The `backend` argument of each op selects `isoexec.contract.ops` or its Triton twin.
+The `backend` argument of each op selects `isoexec.ops` or its Triton twin.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from isoexec.contract import ops
-from isoexec.contract.ops.rope import rope_cos_sin_table
+from isoexec import ops
+from isoexec.ops.rope import rope_cos_sin_table
 
 
 def _mod(backend: str) -> ModuleType:

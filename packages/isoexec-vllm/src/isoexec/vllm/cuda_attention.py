@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops.triton._runtime import check_device, pow2
+from isoexec.ops.triton._runtime import check_device, pow2
 from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import cache_views, paged_forward

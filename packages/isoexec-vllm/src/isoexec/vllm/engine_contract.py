@@ -16,7 +16,7 @@ import torch
 from isoexec.contract.contract import Contract
 from isoexec.contract.model_contract import contract_for
 from isoexec.vllm.admission import ADMISSION, has_admission
-from isoexec.vllm.install import is_installed
+from isoexec.vllm.install_state import is_installed
 from isoexec.vllm.readback import lora_sites, read_sites
 
 
@@ -78,7 +78,7 @@ def effective_config(vllm_config: Any) -> dict[str, Any]:
 def _lora_impl(vllm_config: Any) -> Any:
     """The LoRA sites' ImplInfo: the canonical op at the engine's padded rank (its
     `max_lora_rank`), its GEMMs on the library for the engine's device and dtype."""
-    from isoexec.contract.ops import get_impl
+    from isoexec.ops import get_impl
 
     return get_impl(
         "lora",

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
-from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
+from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
 
 _LIVE_GROUPS: set[int] = set()
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
@@ -402,7 +402,7 @@ class _Handler:
         adapter: the canary of an adapter run is the adapter's."""
         import time
 
-        from isoexec.contract.handshake.tls import ClientTLS
+        from isoexec.handshake.tls import ClientTLS
         from isoexec.vllm import canary
         from vllm.inputs import TokensPrompt
 

@@ -29,7 +29,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError
@@ -42,7 +42,7 @@ from vllm.model_executor.layers.mamba.gdn.qwen_gdn_linear_attn import (
 from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
 from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
 
-# The gate is shared with the other side: isoexec.contract.ops.attn_output_gate.
+# The gate is shared with the other side: isoexec.ops.attn_output_gate.
 ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-_INSTALLED = False
+from isoexec.vllm.install_state import is_installed, mark_installed
 
 
 def install_plugin() -> None:
@@ -11,12 +11,11 @@ def install_plugin() -> None:
     Runs before any model is built (vLLM loads general plugins first in the main, EngineCore
     and worker processes), which is when `register_oot` must happen.
     """
-    global _INSTALLED
-    if _INSTALLED:
+    if is_installed():
         return
     # This process owns every weight write (vLLM's loaders, IsoExec's weight sync), and both
     # paths clear the cache after writing: see `ops.gemm.enable_packed_weight_cache`.
-    from isoexec.contract.ops.gemm import enable_packed_weight_cache
+    from isoexec.ops.gemm import enable_packed_weight_cache
     from isoexec.vllm.adapter_gate import (
         check_adapter_load,
         check_request_adapter,
@@ -57,8 +56,7 @@ def install_plugin() -> None:
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
     on_first_load(offer_when_loaded)  # a served engine offers its contract once loaded
     refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
-    _INSTALLED = True
+    mark_installed()
 
 
-def is_installed() -> bool:
-    return _INSTALLED
+__all__ = ["install_plugin", "is_installed"]

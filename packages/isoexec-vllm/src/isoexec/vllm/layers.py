@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 import torch
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops.gemm import clear_packed_weight_cache
 from isoexec.contract.protocol import SiteRefusedError
+from isoexec.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul

@@ -1,5 +1,5 @@
 """LoRA on the engine: vLLM's adapter layers, with the adapter's contribution computed by the
-canonical LoRA op (`isoexec.contract.ops.lora`) instead of vLLM's punica kernels.
+canonical LoRA op (`isoexec.ops.lora`) instead of vLLM's punica kernels.
 
 vLLM keeps its own LoRA machinery: adapter loading, slots, the per-token slot mapping and the
 layers that wrap each linear (`BaseLinearLayerWithLoRA`, which runs the base layer's quant

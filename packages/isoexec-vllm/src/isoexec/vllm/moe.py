@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm.backend import engine_impl, engine_ops
 from isoexec.vllm.layers import UnsupportedSiteError, _with_canonical_linear
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer

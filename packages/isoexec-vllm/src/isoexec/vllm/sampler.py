@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract import ops
+from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS

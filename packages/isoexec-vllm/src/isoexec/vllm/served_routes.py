@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from isoexec.contract.served import (
+from isoexec.handshake.served import (
     ADAPTER_CONFIG_HEADER,
     ADAPTER_NAME_HEADER,
     ADAPTER_ROUTE,

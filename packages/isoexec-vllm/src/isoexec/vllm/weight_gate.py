@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.ops.gemm import clear_packed_weight_cache
 
 log = logging.getLogger(__name__)
 ENGINE_SIDE = "engine"
@@ -78,8 +78,8 @@ def revoke() -> None:
 
 def require_match(path: str) -> None:
     """Raise `WeightSyncRefusedError` unless this worker has a MATCH the service still holds."""
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.types import HandshakeError
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.types import HandshakeError
 
     c = STATE.clearance
     if c is None:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.fingerprint import WeightFingerprint
-from isoexec.contract.ops.gemm import clear_packed_weight_cache
+from isoexec.ops.gemm import clear_packed_weight_cache
 from isoexec.vllm import weight_gate
 from isoexec.vllm.readback import read_sites
 from isoexec.vllm.weight_gate import WeightSyncRefusedError
@@ -64,8 +64,8 @@ class IsoWorkerExtension:
         """Offer this worker's contract (as engine rank = its worker rank); clear it for
         weights only on MATCH. All workers offer concurrently through one collective RPC.
         `tls`: `ClientTLS` fields (ca, cert, key) to reach a TLS handshake service."""
-        from isoexec.contract.handshake.client import HandshakeClient
-        from isoexec.contract.handshake.tls import ClientTLS
+        from isoexec.handshake.client import HandshakeClient
+        from isoexec.handshake.tls import ClientTLS
 
         rank = int(getattr(self, "rank", 0))
         client_tls = ClientTLS(**tls) if tls else None

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from isoexec.contract.adapter import PEFT_PREFIX
+
 # PEFT target module -> (its parent in a decoder layer, input width, output width) from the config
 _MODULES = {
     "q_proj": ("self_attn", "hidden", "q"),
@@ -24,7 +26,6 @@ _MODULES = {
     "down_proj": ("mlp", "ffn", "hidden"),
 }
 LORA_TARGETS = tuple(_MODULES)
-PEFT_PREFIX = "base_model.model.model.layers"
 
 
 def _widths(cfg: dict[str, Any]) -> dict[str, int]:

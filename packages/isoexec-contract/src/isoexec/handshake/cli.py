@@ -72,7 +72,7 @@ def _token(args: argparse.Namespace) -> str:
 
 
 def _server_tls(args: argparse.Namespace) -> object:
-    from isoexec.contract.handshake.tls import ServerTLS
+    from isoexec.handshake.tls import ServerTLS
 
     if args.tls_cert is None and args.tls_key is None:
         if args.tls_client_ca:
@@ -84,7 +84,7 @@ def _server_tls(args: argparse.Namespace) -> object:
 
 
 def _client_tls(args: argparse.Namespace) -> object:
-    from isoexec.contract.handshake.tls import ClientTLS, TLSConfigError
+    from isoexec.handshake.tls import ClientTLS, TLSConfigError
 
     if args.tls_ca is None:
         if args.tls_cert or args.tls_key:
@@ -97,7 +97,7 @@ def _client_tls(args: argparse.Namespace) -> object:
 
 
 def _read_token(path: str) -> str:
-    from isoexec.contract.handshake.token import TokenFileError, read_token_file
+    from isoexec.handshake.token import TokenFileError, read_token_file
 
     try:
         return read_token_file(path)
@@ -133,7 +133,7 @@ def _serve(args: argparse.Namespace) -> int:
     import signal
     import threading
 
-    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.handshake.server import HandshakeServer
 
     token = _token(args)
     expected = _parse_expect(args.expect)
@@ -167,8 +167,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _participant(args: argparse.Namespace) -> int:
     from isoexec.contract.contract import Contract, ContractError
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.types import HandshakeError
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.types import HandshakeError
 
     token = _token(args)
     tls = _client_tls(args)

@@ -29,11 +29,11 @@ from google.protobuf.message import DecodeError
 
 from isoexec.contract.canary import CanaryError, unpack
 from isoexec.contract.contract import Contract, ContractError, SchemaVersionError
-from isoexec.contract.handshake._gen import handshake_pb2 as pb
-from isoexec.contract.handshake.canary_board import CanaryBoard
-from isoexec.contract.handshake.rendezvous import Rendezvous
-from isoexec.contract.handshake.tls import ServerTLS, check_plaintext_allowed
-from isoexec.contract.handshake.types import (
+from isoexec.handshake._gen import handshake_pb2 as pb
+from isoexec.handshake.canary_board import CanaryBoard
+from isoexec.handshake.rendezvous import Rendezvous
+from isoexec.handshake.tls import ServerTLS, check_plaintext_allowed
+from isoexec.handshake.types import (
     DEFAULT_MAX_MESSAGE_BYTES,
     MIN_TOKEN_CHARS,
     SERVICE,

@@ -14,7 +14,7 @@ record each side's GEMM library, so a CPU trainer never MATCHes a CUDA engine).
 
 With `--locate`, an IsoExec arm that is not 100% bitwise is traced on both sides afterwards
 (same engine, same trainer model, a few of its prompts scored one at a time) and the first
-divergent site is printed (`locate_pair`, `isoexec.contract.locate`).
+divergent site is printed (`locate_pair`, `isoexec.tools.locate`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.contract.architectures import text_config
-from isoexec.contract.pair_report import (
+from isoexec.tools.pair_report import (
     ArmResult,
     arm_result,
     format_table,
@@ -36,7 +36,7 @@ from isoexec.contract.pair_report import (
     write_plot,
     write_results,
 )
-from isoexec.contract.pair_setup import (
+from isoexec.tools.pair_setup import (
     BACKENDS,
     DEVICES,
     PairRun,
@@ -44,7 +44,7 @@ from isoexec.contract.pair_setup import (
     arm_settings,
     check_setup,
 )
-from isoexec.contract.pair_steps import (
+from isoexec.tools.pair_steps import (
     _group,
     align,
     handshake,
@@ -147,7 +147,7 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         fingerprints = _fingerprints(model, engine, adapter if isoexec else None)
         report = None
         if isoexec and locate_dir is not None and not torch.equal(train, eng):
-            from isoexec.contract.locate import format_result
+            from isoexec.tools.locate import format_result
 
             located = locate_pair(engine, model, hf_config, prompts[:LOCATE_SEQUENCES], locate_dir)
             report = format_result(located)
@@ -182,8 +182,8 @@ def _attach(model: Any, adapter_dir: str, rank: int) -> Any:
 def _lora_handshake(contract: Any, engine: Any, model: Any, adapter: Any) -> tuple[Any, Any]:
     """MATCH, then the adapter through the engine's gate (announced with the trainer's
     fingerprint), then both canaries under it, while the service is up."""
-    from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.contract.pair_steps import canaries
+    from isoexec.handshake.server import HandshakeServer
+    from isoexec.tools.pair_steps import canaries
 
     token = secrets.token_hex(16)
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
@@ -268,7 +268,7 @@ def _torchrun_arm(
     The trainer's weight fingerprint is not gathered from the ranks (None in the report)."""
     import tempfile
 
-    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.handshake.server import HandshakeServer
     from isoexec.megatron.distributed_scoring import score_on_torchrun
 
     arm = "isoexec" if isoexec else "stock"
@@ -342,9 +342,9 @@ def locate_pair(
     prefill rows at known absolute positions; traces land in `out_dir` as
     `trainer.trace.json` and `engine.trace.json`, for `isoexec locate` to re-read.
     """
-    from isoexec.contract.locate import locate
     from isoexec.contract.trace import Trace
     from isoexec.megatron.trace import trace_trainer
+    from isoexec.tools.locate import locate
 
     out_dir.mkdir(parents=True, exist_ok=True)
     tpath, epath = out_dir / "trainer.trace.json", out_dir / "engine.trace.json"
@@ -482,12 +482,12 @@ def run(args: argparse.Namespace) -> int:
             print(f"isoexec pair: {model_dir} has no config.json", flush=True)
             return 2
     else:
-        from isoexec.contract.tiny_models import make_tiny_model
+        from isoexec.tools.tiny_models import make_tiny_model
 
         base = LORA_PRESETS.get(args.preset, args.preset)
         model_dir = str(make_tiny_model(base, out / f"{base}-{args.dtype}", dtype=args.dtype))
         if args.preset in LORA_PRESETS and args.lora is None:
-            from isoexec.contract.tiny_lora import make_tiny_lora
+            from isoexec.tools.tiny_lora import make_tiny_lora
 
             args.lora = str(make_tiny_lora(model_dir, out / f"{args.preset}-adapter", seed=1))
     if args.lora is not None and not (Path(args.lora) / "adapter_config.json").exists():

@@ -72,7 +72,7 @@ class Verdict:
         return self
 
     def to_proto(self) -> object:
-        from isoexec.contract.handshake._gen import handshake_pb2 as pb
+        from isoexec.handshake._gen import handshake_pb2 as pb
 
         return pb.Verdict(
             outcome=pb.Verdict.MATCH if self.matched else pb.Verdict.MISMATCH,
@@ -89,7 +89,7 @@ class Verdict:
 
     @staticmethod
     def from_proto(msg: object) -> Verdict:
-        from isoexec.contract.handshake._gen import handshake_pb2 as pb
+        from isoexec.handshake._gen import handshake_pb2 as pb
 
         assert isinstance(msg, pb.Verdict)
         if msg.outcome == pb.Verdict.MATCH:

@@ -4,9 +4,9 @@ rendezvous service and gets the same verdict before any weight sync.
 Server side: `HandshakeServer`; participant side: `HandshakeClient`; rules: `rendezvous`.
 """
 
-from isoexec.contract.handshake.client import HandshakeClient
-from isoexec.contract.handshake.server import HandshakeServer
-from isoexec.contract.handshake.types import (
+from isoexec.handshake.client import HandshakeClient
+from isoexec.handshake.server import HandshakeServer
+from isoexec.handshake.types import (
     MATCH,
     MISMATCH,
     TOKEN_METADATA_KEY,

@@ -28,7 +28,7 @@ import grpc
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.diff import diff
-from isoexec.contract.handshake.types import (
+from isoexec.handshake.types import (
     MATCH,
     MISMATCH,
     HandshakeError,

@@ -1,6 +1,6 @@
 """Triton backend of the canonical ops: same invariance structure, GPU kernels.
 
-Every op here has the signature of its torch canonical twin (`isoexec.contract.ops`) and
+Every op here has the signature of its torch canonical twin (`isoexec.ops`) and
 the same invariance structure — fixed tiles, no split-K, no atomics, fixed reduction
 trees, one program per row/tile — but not the same bits: the reduction trees differ. So
 it is a separate backend of the same op, with its own impl ids and `backend="triton"`, and
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from types import MappingProxyType, ModuleType
 
-from ...impl import ImplInfo, code_closure, source_fingerprint
+from isoexec.contract.impl import ImplInfo, code_closure, source_fingerprint
+
 from .. import _pointwise as _torch_pointwise
 from .. import gemm as _torch_gemm
 from .. import logprobs as _torch_logprobs
@@ -157,8 +158,8 @@ def get_triton_impl(op: str, **params: object) -> ImplInfo:
         raise KeyError(f"{op}: unknown parameters {sorted(unknown)}")
     merged = {**defaults, **params}
     # Every ops module these kernels' modules use (the torch helpers some call included).
-    fp = source_fingerprint(*code_closure(*modules, _runtime, package="isoexec.contract.ops"))
-    from isoexec.contract.ops import OP_OF_VARIANT
+    fp = source_fingerprint(*code_closure(*modules, _runtime, package="isoexec.ops"))
+    from isoexec.ops import OP_OF_VARIANT
 
     return ImplInfo.make(OP_OF_VARIANT.get(op, op), impl_id, version, BACKEND, merged, fp)
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import grpc
 
 from isoexec.contract.canary import CanaryError, first_difference
-from isoexec.contract.handshake.types import MATCH, MISMATCH, HandshakeError
+from isoexec.handshake.types import MATCH, MISMATCH, HandshakeError
 
 Key = tuple[str, int]
 MAX_SLOTS = 4096  # (run, version) pairs kept
@@ -41,7 +41,7 @@ class CanaryVerdict:
         return self.outcome == MATCH
 
     def to_proto(self) -> object:
-        from isoexec.contract.handshake._gen import handshake_pb2 as pb
+        from isoexec.handshake._gen import handshake_pb2 as pb
 
         return pb.CanaryVerdict(
             outcome=pb.Verdict.MATCH if self.matched else pb.Verdict.MISMATCH,
@@ -54,7 +54,7 @@ class CanaryVerdict:
 
     @staticmethod
     def from_proto(msg: object) -> CanaryVerdict:
-        from isoexec.contract.handshake._gen import handshake_pb2 as pb
+        from isoexec.handshake._gen import handshake_pb2 as pb
 
         assert isinstance(msg, pb.CanaryVerdict)
         outcomes = {pb.Verdict.MATCH: MATCH, pb.Verdict.MISMATCH: MISMATCH}

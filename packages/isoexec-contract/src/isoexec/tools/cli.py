@@ -14,11 +14,11 @@ import sys
 from collections.abc import Sequence
 
 SUBCOMMANDS: list[tuple[str, str, str]] = [
-    ("contract", "isoexec.contract.cli_contract", "show, hash and diff execution contracts"),
-    ("handshake", "isoexec.contract.handshake.cli", "serve or use the contract handshake"),
-    ("pair", "isoexec.contract.pair", "trainer vs engine, bitwise, IsoExec on and off"),
-    ("locate", "isoexec.contract.cli_locate", "first divergent site between two traces"),
-    ("bench", "isoexec.contract.bench", "IsoExec's overhead: engine tok/s, trainer ms/token"),
+    ("contract", "isoexec.tools.cli_contract", "show, hash and diff execution contracts"),
+    ("handshake", "isoexec.handshake.cli", "serve or use the contract handshake"),
+    ("pair", "isoexec.tools.pair", "trainer vs engine, bitwise, IsoExec on and off"),
+    ("locate", "isoexec.tools.cli_locate", "first divergent site between two traces"),
+    ("bench", "isoexec.tools.bench", "IsoExec's overhead: engine tok/s, trainer ms/token"),
     ("engine", "isoexec.vllm.serve", "vLLM's OpenAI server with IsoExec (engine serve)"),
 ]
 

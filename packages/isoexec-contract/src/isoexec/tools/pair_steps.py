@@ -101,8 +101,8 @@ def handshake(
     is followed by both sides' canaries (`isoexec.contract.canary`); the engine verdict then
     holds the engine's canary verdict under "canary".
     """
-    from isoexec.contract.handshake.client import HandshakeClient
-    from isoexec.contract.handshake.server import HandshakeServer
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.server import HandshakeServer
 
     if server is None:
         token = secrets.token_hex(16)

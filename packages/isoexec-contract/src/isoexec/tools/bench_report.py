@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from . import strict_json
+from isoexec.contract import strict_json
 
 RESULTS_FILE = "bench.json"
 PLOT_FILE = "bench.png"
@@ -87,7 +87,7 @@ def machine_info() -> dict[str, Any]:
     this CPU runs (AMX tiles or the linear's blocks: `ops.moe.expert_gemm`)."""
     import torch  # the contract package's own dependency
 
-    from .ops import moe
+    from isoexec.ops import moe
 
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from isoexec.contract.handshake._gen import handshake_pb2 as isoexec_dot_v1_dot_handshake__pb2
+from isoexec.handshake._gen import handshake_pb2 as isoexec_dot_v1_dot_handshake__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

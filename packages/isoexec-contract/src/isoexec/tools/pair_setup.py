@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 DEVICES = ("cpu", "cuda")  # where the trainer runs (`megatron_parallel(device=)`)
-BACKENDS = ("torch", "triton")  # `IsoExecOptions.backend` (`isoexec.contract.ops.BACKENDS`)
+BACKENDS = ("torch", "triton")  # `IsoExecOptions.backend` (`isoexec.ops.BACKENDS`)
 
 
 @dataclass(frozen=True)

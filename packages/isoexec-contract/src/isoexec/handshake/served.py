@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from isoexec.contract.handshake.tls import ClientTLS
+    from isoexec.handshake.tls import ClientTLS
 
 HANDSHAKE_CONFIG_KEY = "isoexec_handshake"
 WEIGHTS_ROUTE = "/isoexec/weights"
@@ -143,7 +143,7 @@ class ServedHandshake:
 
     def token(self) -> str:
         """The shared token, read from its file (refused when missing or empty)."""
-        from isoexec.contract.handshake.token import TokenFileError, read_token_file
+        from isoexec.handshake.token import TokenFileError, read_token_file
 
         try:
             return read_token_file(self.token_file)
@@ -152,7 +152,7 @@ class ServedHandshake:
 
     def client_tls(self) -> ClientTLS | None:
         """How to reach a TLS handshake service; None for a plaintext (loopback) one."""
-        from isoexec.contract.handshake.tls import ClientTLS, TLSConfigError
+        from isoexec.handshake.tls import ClientTLS, TLSConfigError
 
         if self.tls_ca is None:
             return None

@@ -40,7 +40,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from isoexec.contract.bench_report import (
+from isoexec.tools.bench_report import (
     ARMS,
     MODE_LABELS,
     PROFILE_TOTAL,
@@ -102,7 +102,7 @@ def make_model(
     out: Path, hidden: int, layers: int, vocab: int, family: str = "dense", dtype: str = "float32"
 ) -> Path:
     """A random Qwen3-style checkpoint of this shape (`tiny_models` presets, overridden)."""
-    from isoexec.contract.tiny_models import make_tiny_model
+    from isoexec.tools.tiny_models import make_tiny_model
 
     heads = max(2, hidden // 128)
     overrides: dict[str, Any] = {
@@ -208,8 +208,8 @@ def _add_bench_adapter(engines: Mapping[str, Any], adapter: Any, dtype: str) -> 
     import torch
 
     from isoexec.contract.contract import Contract
-    from isoexec.contract.handshake.server import HandshakeServer
-    from isoexec.contract.pair_steps import handshake
+    from isoexec.handshake.server import HandshakeServer
+    from isoexec.tools.pair_steps import handshake
     from isoexec.vllm.adapter_gate import adapter_fingerprint
 
     iso = engines["isoexec"]
@@ -274,7 +274,7 @@ def bench_trainer(
 def op_profile(fn: Callable[[], Any]) -> dict[str, float]:
     """Seconds spent inside each canonical op during one call of `fn` (forward ops only), and
     the whole call under `PROFILE_TOTAL`."""
-    from isoexec.contract import ops
+    from isoexec import ops
 
     spent: dict[str, float] = defaultdict(float)
     saved = {n: getattr(ops, n) for n in PROFILED_OPS if hasattr(ops, n)}
@@ -349,7 +349,7 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
 
 
 def missing_sides(trainer: bool) -> list[str]:
-    from isoexec.contract.pair import missing_sides as missing
+    from isoexec.tools.pair import missing_sides as missing
 
     return missing(ENGINE_SIDE + (TRAINER_SIDE if trainer else ()))
 
@@ -395,7 +395,7 @@ def run(args: argparse.Namespace) -> int:
         seqs: list[list[int]] = []
         lora = None
         if args.lora:
-            from isoexec.contract.tiny_lora import LORA_TARGETS, make_tiny_lora
+            from isoexec.tools.tiny_lora import LORA_TARGETS, make_tiny_lora
 
             lora = make_tiny_lora(model, Path(tmp) / "adapter", rank=8, targets=LORA_TARGETS)
         for mode in modes:
@@ -428,10 +428,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`isoexec bench ARGS` (for `python -m isoexec.contract.bench` and benchmarks/)."""
+    """`isoexec bench ARGS` (for `python -m isoexec.tools.bench` and benchmarks/)."""
     import sys
 
-    from isoexec.contract import cli
+    from isoexec.tools import cli
 
     return cli.main(["bench", *(sys.argv[1:] if argv is None else argv)])
 

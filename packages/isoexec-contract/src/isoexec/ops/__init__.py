@@ -18,7 +18,9 @@ from types import MappingProxyType, ModuleType
 
 import torch
 
-from ..impl import ImplInfo, code_closure, source_fingerprint
+from isoexec.contract.impl import ImplInfo, code_closure, source_fingerprint
+from isoexec.contract.options import BACKENDS as OPTION_BACKENDS
+
 from . import (
     _pointwise,
     activation,
@@ -283,13 +285,13 @@ ATTN_OUTPUT_GATE_IMPL = ImplInfo.make(
 
 # Backends of the same ops: same function names and signatures, different bits, so a site
 # records which one it runs (`get_backend_impl`) and the contract tells them apart.
-BACKENDS = (BACKEND, "triton")
+BACKENDS = OPTION_BACKENDS  # the options object validates against the same names
 
 
 def backend_ops(backend: str = BACKEND) -> ModuleType:
     """The module whose functions (`linear`, `rms_norm`, ...) implement the ops on `backend`.
 
-    "triton" imports `isoexec.contract.ops.triton` lazily (it needs the triton package)."""
+    "triton" imports `isoexec.ops.triton` lazily (it needs the triton package)."""
     if backend == BACKEND:
         return sys.modules[__name__]
     if backend == "triton":

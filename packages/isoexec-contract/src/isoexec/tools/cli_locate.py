@@ -39,8 +39,8 @@ def _as_json(result: Any) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from isoexec.contract.locate import format_result, locate
     from isoexec.contract.trace import Trace, TraceFormatError
+    from isoexec.tools.locate import format_result, locate
 
     try:
         a = Trace.read(args.trainer_trace)

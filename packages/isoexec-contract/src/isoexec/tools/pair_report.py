@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import strict_json
+from isoexec.contract import strict_json
 
 RESULTS_FILE = "results.json"
 PLOT_FILE = "pair.png"

@@ -17,10 +17,10 @@ import grpc
 
 from isoexec.contract.canary import pack
 from isoexec.contract.contract import Contract
-from isoexec.contract.handshake._gen import handshake_pb2 as pb
-from isoexec.contract.handshake.canary_board import CanaryVerdict
-from isoexec.contract.handshake.tls import ClientTLS
-from isoexec.contract.handshake.types import (
+from isoexec.handshake._gen import handshake_pb2 as pb
+from isoexec.handshake.canary_board import CanaryVerdict
+from isoexec.handshake.tls import ClientTLS
+from isoexec.handshake.types import (
     CANARY_METHOD,
     DEFAULT_MAX_MESSAGE_BYTES,
     OFFER_METHOD,
