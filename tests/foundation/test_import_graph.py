@@ -66,3 +66,27 @@ def test_negative_controls_each_bad_import_is_flagged(tmp_path: Path) -> None:
                    "def f():\n    from isoexec.megatron import score\n")  # fmt: skip
     found_imports = {m for m, _ in imports("isoexec.contract.m", src)}
     assert "isoexec.megatron" in found_imports and "vllm" not in found_imports
+
+
+def test_the_architecture_doc_carries_the_generated_layer_table() -> None:
+    """docs/architecture.md's layer table is exactly what the tool generates (a module added,
+    moved or removed without regenerating it fails here)."""
+    from isoexec.tools.layout import DOC_BEGIN, DOC_END, markdown
+
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    assert DOC_BEGIN in doc and DOC_END in doc
+    block = doc[doc.index(DOC_BEGIN) : doc.index(DOC_END) + len(DOC_END)]
+    assert block == markdown(modules(package_roots())), (
+        "regenerate with `python -m isoexec.tools.layout --markdown`"
+    )
+
+
+def test_every_file_stays_at_500_lines_or_fewer() -> None:
+    """Small modules with one job: no tracked Python file over 500 lines (generated protobuf
+    code excepted). Negative control: the count sees this repository's largest files."""
+    out = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True, text=True)
+    files = [ROOT / f for f in out.stdout.split() if "/_gen/" not in f]
+    assert len(files) > 200, len(files)
+    sizes = {f.relative_to(ROOT).as_posix(): len(f.read_text().splitlines()) for f in files}
+    assert max(sizes.values()) > 400  # the scan reads real files
+    assert {f: n for f, n in sizes.items() if n > 500} == {}

@@ -83,3 +83,16 @@ def assert_grads_match_float64(fn, ref64, inputs, rtol=1e-4, atol=1e-5):
     want = _grads(ref64, [t.double() for t in inputs])
     for a, b in zip(got, want, strict=True):
         assert torch.allclose(a.double(), b, rtol=rtol, atol=atol)
+
+
+def gdn_batch(bsz, t, hk, hv, kd, vd, dtype=torch.float32, seed=0, state=True):
+    """Batched inputs [B, T, ...] with a random fp32 initial state (or None)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def r(*s):
+        return torch.randn(*s, generator=g).to(dtype)
+
+    x = [r(bsz, t, hk, kd), r(bsz, t, hk, kd), r(bsz, t, hv, vd), r(bsz, t, hv), r(bsz, t, hv)]
+    x += [torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g) * 0.5]
+    s0 = torch.randn(bsz, hv, kd, vd, generator=g) * 0.1 if state else None
+    return x, s0

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from _ops_testlib import assert_grads_match_float64, assert_row_invariant, num_threads
+from _ops_testlib import gdn_batch as _batch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers.models.qwen3_next.modeling_qwen3_next import (
@@ -243,19 +244,6 @@ def test_recurrence_under_autograd_is_checkpointed_same_bits_and_grads(monkeypat
 # --- the compiled kernel (v2): prefill/decode, composition, threads, accuracy, gradients ------
 
 
-def _batch(bsz, t, hk, hv, kd, vd, dtype=torch.float32, seed=0, state=True):
-    """Batched inputs [B, T, ...] with a random fp32 initial state (or None)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def r(*s):
-        return torch.randn(*s, generator=g).to(dtype)
-
-    x = [r(bsz, t, hk, kd), r(bsz, t, hk, kd), r(bsz, t, hv, vd), r(bsz, t, hv), r(bsz, t, hv)]
-    x += [torch.randn(hv, generator=g) * 0.5, torch.randn(hv, generator=g) * 0.5]
-    s0 = torch.randn(bsz, hv, kd, vd, generator=g) * 0.1 if state else None
-    return x, s0
-
-
 def _ref64(q, k, v, a, b, A_log, dt_bias, state=None):
     """The gated delta rule in float64 torch (batched, state [B, HV, K, V])."""
     q, k, v, a, b, A_log, dt_bias = (x.double() for x in (q, k, v, a, b, A_log, dt_bias))
@@ -416,11 +404,11 @@ def test_kernel_gradients_low_precision_inputs_and_partial_requires_grad():
 def test_kernel_negative_control_torch_op_loop_differs():
     """v1's torch-op token loop (the same maths, torch's sums and exp) gives other bits than
     the kernel: the bitwise tests above would see a changed kernel."""
-    import isoexec.ops.gdn as gdn_mod
+    from isoexec.ops import gdn_reference
 
     x, s0 = _batch(2, 30, 2, 4, 64, 32, seed=41)
     o, s = gdn_recurrence(*x, s0)
-    o1, s1 = gdn_mod._torch_recurrence(*x, s0)
+    o1, s1 = gdn_reference._torch_recurrence(*x, s0)
     assert not torch.equal(o, o1) or not torch.equal(s, s1)
     assert (o - o1).abs().max() < 1e-5  # same maths
 
@@ -470,70 +458,7 @@ def test_refuses_other_devices_and_grad_reference_runs_anywhere():
     meta = [t.to("meta") for t in x]
     with pytest.raises(ValueError, match="runs on CPU"):
         gdn_recurrence(*meta)
-    from isoexec.ops.gdn import gdn_recurrence_grad_reference
+    from isoexec.ops.gdn_reference import gdn_recurrence_grad_reference
 
     o, st = gdn_recurrence_grad_reference(*meta)
     assert o.device.type == "meta" and st.shape == s0.shape
-
-
-def _layout(store: torch.Tensor, vk: bool) -> torch.Tensor:
-    """The kernel's [slot, HV, K, V] view of a cache stored [slot, HV, V, K] (vk) or as is."""
-    return store.transpose(-1, -2) if vk else store
-
-
-# (V, cache stored [V, K]): vLLM's [V, K] layout (16 x 16 transposing copies), a [K, V] layout
-# (vector copies), and V = 16 below the kernel's 32-column block (the element-wise copy).
-@pytest.mark.parametrize("vd,vk", [(32, True), (64, False), (16, True)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_in_place_cache_equals_gathered_states(dtype, vd, vk):
-    """An engine's states read and written in its own cache layout (vLLM's [slot, HV, V, K],
-    seen as [slot, HV, K, V] through a transposed view; or [slot, HV, K, V] itself), at
-    scattered slots: the same output and new states, bit for bit, as the gathered-state call;
-    fresh requests (no state) too; the other slots untouched; bad slots refused."""
-    from isoexec.ops import gdn_recurrence_in_place
-
-    x, s0 = _batch(3, 5, 1, 2, 32, vd, dtype=dtype, seed=61)
-    slots = torch.tensor([4, 0, 2])
-    for has_state in (True, False):
-        store = torch.randn(6, 2, vd, 32) if vk else torch.randn(6, 2, 32, vd)
-        _layout(store, vk)[slots] = s0
-        before = store.clone()
-        want_o, want_s = gdn_recurrence(*x, s0 if has_state else None)
-        got_o, none = gdn_recurrence_in_place(
-            *x, cache=_layout(store, vk), slots=slots, has_state=has_state
-        )
-        assert none is None and torch.equal(got_o, want_o)
-        assert torch.equal(_layout(store, vk)[slots], want_s)
-        others = torch.tensor([1, 3, 5])
-        assert torch.equal(store[others], before[others])
-    if vd != 16:
-        return
-    # through gdn_sequence, as the engine calls it (the recurrence's state argument None)
-    import functools
-
-    from isoexec.ops import gdn_conv, gdn_sequence
-
-    hk, hv, kd, vd = 1, 2, 32, 16
-    mixed = torch.randn(3, 4, 2 * hk * kd + hv * vd).to(dtype)
-    conv_w = torch.randn(mixed.shape[-1], 4).to(dtype)
-    ab = [torch.randn(3, 4, hv).to(dtype) for _ in range(2)]
-    want_o, _, want_s = gdn_sequence(
-        mixed, conv_w, *ab, x[5], x[6], heads=(hk, hv, kd, vd), state=s0, conv=gdn_conv
-    )
-    store[slots] = s0.transpose(-1, -2)
-    rec = functools.partial(
-        gdn_recurrence_in_place, cache=store.transpose(-1, -2), slots=slots, has_state=True
-    )
-    got_o, _, none = gdn_sequence(
-        mixed, conv_w, *ab, x[5], x[6], heads=(hk, hv, kd, vd), recurrence=rec
-    )
-    assert none is None and torch.equal(got_o, want_o)
-    assert torch.equal(store[slots].transpose(-1, -2), want_s)
-    with pytest.raises(ValueError, match="distinct slot"):
-        gdn_recurrence_in_place(
-            *x, cache=store.transpose(-1, -2), slots=torch.tensor([1, 1, 2]), has_state=True
-        )
-    with pytest.raises(ValueError, match="out of range"):
-        gdn_recurrence_in_place(
-            *x, cache=store.transpose(-1, -2), slots=torch.tensor([1, 9, 2]), has_state=True
-        )

@@ -15,7 +15,7 @@ pytestmark = kernel_marks()
 from isoexec.ops import triton as xops  # noqa: E402
 from isoexec.ops.triton import gemm as xgemm  # noqa: E402
 from isoexec.ops.triton import moe as xmoe  # noqa: E402
-from isoexec.ops.triton.selfcheck import row_mismatches  # noqa: E402
+from isoexec.ops.triton.selfcheck_harness import row_mismatches  # noqa: E402
 
 
 def _x(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:

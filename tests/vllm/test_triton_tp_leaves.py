@@ -18,7 +18,7 @@ import vllm.config
 
 from isoexec import ops
 from isoexec.ops.triton import get_triton_impl
-from isoexec.ops.triton.selfcheck import in_order_gather
+from isoexec.ops.triton.selfcheck_harness import in_order_gather
 from isoexec.vllm import collectives, layers
 
 

@@ -28,10 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.contract.architectures import text_config
+from isoexec.tools.pair_lora import LoraArmError, attach_adapter, lora_handshake, lora_rank_for
 from isoexec.tools.pair_report import (
     ArmResult,
     arm_result,
     format_table,
+    progress,
     token_temperatures,
     write_plot,
     write_results,
@@ -47,18 +49,18 @@ from isoexec.tools.pair_setup import (
 from isoexec.tools.pair_steps import (
     _group,
     align,
+    engine_fingerprint,
     handshake,
     make_prompts,
     sample,
     sample_and_score,
+    weight_fingerprints,
 )
 
 PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe", "tiny-qwen35-vl",
            "tiny-qwen35-moe-text", "tiny-dense-lora")  # fmt: skip
 # Presets that are another preset plus a random PEFT adapter (`--lora` with a made adapter).
 LORA_PRESETS = {"tiny-dense-lora": "tiny-dense"}
-# vLLM's allowed `max_lora_rank` values: the engine pads adapters to one (the canonical op too).
-VLLM_LORA_RANKS = (16, 32, 64, 128, 256, 320, 512)
 TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 
@@ -118,25 +120,25 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         adapter = None
         if isoexec:
             if lora is not None:
-                adapter = _attach(model, lora, engine_cfg.lora[0])
+                adapter = attach_adapter(model, lora, engine_cfg.lora[0])
             contract = trainer_contract(model, hf_config, dtype)
             if adapter is None:
                 trainer_verdict, engine_verdict = handshake(contract, engine, canary_model=model)
             else:
-                trainer_verdict, engine_verdict = _lora_handshake(contract, engine, model, adapter)
+                trainer_verdict, engine_verdict = lora_handshake(contract, engine, model, adapter)
             hashes = {"trainer": contract.hash, "engine": engine_verdict.get("hash")}
             verdict = engine_verdict["outcome"]
-            _progress(arm, f"handshake {verdict}")
+            progress(arm, f"handshake {verdict}")
             trainer_verdict.raise_for_mismatch()
             if engine_verdict["outcome"] != "MATCH" or not engine_verdict["canary"]["matched"]:
                 raise RuntimeError(f"engine got {engine_verdict.get('canary', verdict)}")
-            _progress(arm, engine_verdict["canary"]["summary"])
+            progress(arm, engine_verdict["canary"]["summary"])
             status = f"MATCH {contract.hash[:12]}"
-        _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
+        progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()
         completions = sample(engine, prompts, temps, max_tokens, lora=adapter)
         timings["sampling"] = time.monotonic() - t0
-        _progress(arm, "scoring the sampled sequences on the trainer")
+        progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
         scored = {
             t: score(model, _group(completions, temps, t), temperature=t)
@@ -144,7 +146,7 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         }
         timings["scoring"] = time.monotonic() - t0
         train, eng = align(completions, temps, scored)
-        fingerprints = _fingerprints(model, engine, adapter if isoexec else None)
+        fingerprints = weight_fingerprints(model, engine, adapter if isoexec else None)
         report = None
         if isoexec and locate_dir is not None and not torch.equal(train, eng):
             from isoexec.tools.locate import format_result
@@ -157,49 +159,6 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
     )  # fmt: skip
 
 
-class LoraArmError(ValueError):
-    """An arm `--lora` cannot run (reported in the table, like a stock arm that cannot run)."""
-
-
-def lora_rank_for(adapter_dir: str) -> int:
-    """The engine's `max_lora_rank` for this adapter: the smallest vLLM allows that holds it."""
-    r = int(json.loads((Path(adapter_dir) / "adapter_config.json").read_text())["r"])
-    for rank in VLLM_LORA_RANKS:
-        if r <= rank:
-            return rank
-    raise LoraArmError(f"adapter rank {r} > vLLM's largest max_lora_rank {VLLM_LORA_RANKS[-1]}")
-
-
-def _attach(model: Any, adapter_dir: str, rank: int) -> Any:
-    """Attach the adapter to the trainer's model; the engine's name for it."""
-    from isoexec.megatron.lora import attach_lora
-    from isoexec.vllm.engine_process import LoraAdapter
-
-    attach_lora(model, adapter_dir, rank=rank)
-    return LoraAdapter("pair-lora", 1, str(Path(adapter_dir).resolve()))
-
-
-def _lora_handshake(contract: Any, engine: Any, model: Any, adapter: Any) -> tuple[Any, Any]:
-    """MATCH, then the adapter through the engine's gate (announced with the trainer's
-    fingerprint), then both canaries under it, while the service is up."""
-    from isoexec.handshake.server import HandshakeServer
-    from isoexec.tools.pair_steps import canaries
-
-    token = secrets.token_hex(16)
-    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
-        trainer_verdict, engine_verdict = handshake(contract, engine, server=server, token=token)
-        if trainer_verdict.matched and engine_verdict["outcome"] == "MATCH":
-            engine.call("add_lora", adapter, model.isoexec_lora.fingerprint())
-            _progress("isoexec", f"adapter {adapter.path} loaded through the gate")
-            _, canary = canaries(model, engine, server.address, token, "pair", 0, lora=adapter)
-            engine_verdict = {**engine_verdict, "canary": canary}
-    return trainer_verdict, engine_verdict
-
-
-def _progress(arm: str, what: str) -> None:
-    print(f"isoexec pair [{arm}]: {what}", flush=True)
-
-
 class _started:
     """The engine of one arm, started with a progress line and its start time measured."""
 
@@ -210,42 +169,15 @@ class _started:
         from isoexec.vllm.engine_process import EngineProcess
 
         log = f", its log in {self.config.log_file}" if self.config.log_file else ""
-        _progress(self.arm, f"starting the engine (TP={self.config.tensor_parallel_size}{log})")
+        progress(self.arm, f"starting the engine (TP={self.config.tensor_parallel_size}{log})")
         t0 = time.monotonic()
         self.engine = EngineProcess(self.config)
         timings = {"engine_start": time.monotonic() - t0}
-        _progress(self.arm, f"engine ready in {timings['engine_start']:.1f} s")
+        progress(self.arm, f"engine ready in {timings['engine_start']:.1f} s")
         return self.engine, timings
 
     def __exit__(self, *exc: object) -> None:
         self.engine.close()
-
-
-def _fingerprints(model: Any, engine: Any, adapter: Any = None) -> dict[str, str | None]:
-    """Both sides' weight fingerprints (checkpoint names): what each side holds; under an
-    adapter, base + adapter on both sides (`served_weights_fingerprint`)."""
-    from isoexec.contract.fingerprint import WeightFingerprint
-    from isoexec.megatron import export_hf_weights
-
-    lora = getattr(model, "isoexec_lora", None)
-    if adapter is not None and lora is not None:
-        trainer = lora.weight_fingerprint()
-    else:
-        trainer = WeightFingerprint.of(export_hf_weights(model)).digest
-    return {"trainer": trainer, "engine": _engine_fingerprint(engine, adapter)}
-
-
-def _engine_fingerprint(engine: Any, adapter: Any = None) -> str | None:
-    """The engine workers' common fingerprint; None where they differ or cannot say (a stock
-    engine's CPU linears hold prepacked weights that do not map back to checkpoint tensors)."""
-    from isoexec.vllm.engine_process import EngineError
-
-    try:
-        name = None if adapter is None else adapter.name
-        workers = engine.call("weight_fingerprint", name)
-    except EngineError:
-        return None
-    return workers[0] if len(set(workers)) == 1 else None
 
 
 def _torchrun_arm(
@@ -272,7 +204,7 @@ def _torchrun_arm(
     from isoexec.megatron.distributed_scoring import score_on_torchrun
 
     arm = "isoexec" if isoexec else "stock"
-    _progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
+    progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
     t0 = time.monotonic()
     completions = sample(engine, prompts, temps, max_tokens)
     timings["sampling"] = time.monotonic() - t0
@@ -283,7 +215,7 @@ def _torchrun_arm(
         "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
     }  # fmt: skip
     status, hashes, outcome = "n/a (stock arm)", {}, None
-    _progress(arm, f"scoring on a torchrun trainer of {tp * pp} ranks (TP={tp}, PP={pp})")
+    progress(arm, f"scoring on a torchrun trainer of {tp * pp} ranks (TP={tp}, PP={pp})")
     t0 = time.monotonic()
     if not isoexec:
         result = score_on_torchrun(job, tp * pp)
@@ -310,7 +242,7 @@ def _torchrun_arm(
             t.join(timeout=60)
         verdict = result["verdict"]
         outcome = verdict["outcome"]
-        _progress(arm, f"handshake {outcome}")
+        progress(arm, f"handshake {outcome}")
         if verdict["outcome"] != "MATCH":
             raise RuntimeError(
                 f"handshake {verdict['outcome']}: " + "; ".join(verdict["diff"][:10])
@@ -320,7 +252,7 @@ def _torchrun_arm(
     timings["scoring"] = time.monotonic() - t0
     scored = dict(zip(levels, result["logprobs"], strict=True))
     train, eng = align(completions, temps, scored)
-    fingerprints = {"trainer": None, "engine": _engine_fingerprint(engine)}
+    fingerprints = {"trainer": None, "engine": engine_fingerprint(engine)}
     return arm_result(
         arm, status, train, eng, token_temperatures(completions, temps), contract_hashes=hashes,
         verdict=outcome, weight_fingerprints=fingerprints, timings_s=timings,

@@ -165,6 +165,10 @@ def format_table(model: str, dtype: str, results: Sequence[ArmResult]) -> str:
     return "\n".join([head, *rows, *identity])
 
 
+def progress(arm: str, what: str) -> None:
+    print(f"isoexec pair [{arm}]: {what}", flush=True)
+
+
 def write_results(out: Path, model: str, dtype: str, results: Sequence[ArmResult]) -> Path:
     path = out / RESULTS_FILE
     doc = {"model": model, "dtype": dtype, "arms": [r.to_json() for r in results]}

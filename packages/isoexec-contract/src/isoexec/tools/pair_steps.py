@@ -151,4 +151,40 @@ def canaries(model: Any, engine: Any, address: str, token: str, run_id: str, ver
     return got.get("t"), engine_verdict
 
 
-__all__ = ["align", "canaries", "handshake", "make_prompts", "sample", "sample_and_score"]
+def weight_fingerprints(model: Any, engine: Any, adapter: Any = None) -> dict[str, str | None]:
+    """Both sides' weight fingerprints (checkpoint names): what each side holds; under an
+    adapter, base + adapter on both sides (`served_weights_fingerprint`)."""
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.megatron import export_hf_weights
+
+    lora = getattr(model, "isoexec_lora", None)
+    if adapter is not None and lora is not None:
+        trainer = lora.weight_fingerprint()
+    else:
+        trainer = WeightFingerprint.of(export_hf_weights(model)).digest
+    return {"trainer": trainer, "engine": engine_fingerprint(engine, adapter)}
+
+
+def engine_fingerprint(engine: Any, adapter: Any = None) -> str | None:
+    """The engine workers' common fingerprint; None where they differ or cannot say (a stock
+    engine's CPU linears hold prepacked weights that do not map back to checkpoint tensors)."""
+    from isoexec.vllm.engine_process import EngineError
+
+    try:
+        name = None if adapter is None else adapter.name
+        workers = engine.call("weight_fingerprint", name)
+    except EngineError:
+        return None
+    return workers[0] if len(set(workers)) == 1 else None
+
+
+__all__ = [
+    "align",
+    "canaries",
+    "engine_fingerprint",
+    "handshake",
+    "make_prompts",
+    "sample",
+    "sample_and_score",
+    "weight_fingerprints",
+]

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .. import gdn as _torch_gdn
+from ..gdn_reference import gdn_recurrence_grad_reference
 from ._runtime import check_device, pow2, store_rounded, with_torch_backward
 
 L2_EPS = _torch_gdn.L2_EPS
@@ -214,5 +215,5 @@ def gdn_recurrence(
         return o, new_state
 
     return with_torch_backward(  # type: ignore[return-value]
-        run, _torch_gdn.gdn_recurrence_grad_reference, q, k, v, a, b, A_log, dt_bias, state
+        run, gdn_recurrence_grad_reference, q, k, v, a, b, A_log, dt_bias, state
     )

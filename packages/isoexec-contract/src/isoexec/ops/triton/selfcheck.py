@@ -31,6 +31,7 @@ from . import gemm as x_gemm
 from . import logprobs as x_lp
 from . import moe as x_moe
 from . import norm as x_norm
+from .selfcheck_harness import linear_tp_shard_ranks, row_mismatches
 
 # (rtol, atol) against the torch canonical op: two fp32 reduction trees differ by a few ulp
 # of the largest partial; two bf16 roundings of nearly equal fp32 values differ by <= 1 ulp.
@@ -85,28 +86,6 @@ def _rand(g: torch.Generator, *shape: int, dtype: torch.dtype, device: str, s: f
     return (torch.randn(*shape, generator=g) * s).to(dtype).to(device)
 
 
-def row_mismatches(
-    fn: Callable[..., torch.Tensor],
-    gen: Callable[[int, torch.Generator], tuple[torch.Tensor, ...]],
-    sizes: Sequence[int],
-    seed: int = 0,
-) -> list[tuple[int, int]]:
-    """[(M, position)] where row 0 of `gen(1)` computed inside a batch of M random rows (at
-    the middle and at the end) differs from the same row computed alone."""
-    g = torch.Generator().manual_seed(seed)
-    row = gen(1, g)
-    alone = fn(*row)[0]
-    bad = []
-    for m in sizes:
-        for pos in sorted({m // 2, m - 1}):
-            batch = gen(m, g)
-            for b, r in zip(batch, row, strict=True):
-                b[pos] = r[0]
-            if not torch.equal(fn(*batch)[pos], alone):
-                bad.append((m, pos))
-    return bad
-
-
 def _sizes(scale: int) -> tuple[int, ...]:
     return (1, 2, 7, 33, 70) if scale == 1 else (1, 2, 7, 33, 70, 64 * scale + 3)
 
@@ -124,39 +103,6 @@ def check_linear(device: str, dtype: torch.dtype, scale: int = 1) -> CheckResult
     x = gen(70, g)[0]
     err = _err(x_gemm.linear(x, w, bias), t_gemm.linear(x, w, bias), dtype)
     return CheckResult("linear", str(dtype), not bad, err, f"differs at {bad}" if bad else "")
-
-
-def in_order_gather(
-    parts_by_rank: Sequence[torch.Tensor], rank: int
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """A TP group's exact all-gather along dim 0 in rank order, as seen from `rank` in one
-    process: the rank's own tensor (the one it passes) at its slot, the others' given."""
-
-    def all_gather(own: torch.Tensor) -> torch.Tensor:
-        return torch.cat([own if r == rank else p for r, p in enumerate(parts_by_rank)])
-
-    return all_gather
-
-
-def linear_tp_shard_ranks(
-    shard_fn: Callable[..., torch.Tensor],
-    leaf_fn: Callable[..., torch.Tensor],
-    x: torch.Tensor,
-    w: torch.Tensor,
-    bias: torch.Tensor | None,
-    *,
-    tp: int,
-    leaves: int,
-) -> list[torch.Tensor]:
-    """Every rank's output of `shard_fn` (a `linear_tp_shard`) at `tp`, the K-shards of x and
-    w split in rank order and the leaves gathered by `in_order_gather` (`leaf_fn`: the other
-    ranks' `tp_leaf_partials`)."""
-    xs, ws = x.chunk(tp, -1), w.chunk(tp, -1)
-    parts = [leaf_fn(a, b, leaves=leaves // tp) for a, b in zip(xs, ws, strict=True)]
-    return [
-        shard_fn(xs[r], ws[r], bias, tp=tp, all_gather=in_order_gather(parts, r), leaves=leaves)
-        for r in range(tp)
-    ]
 
 
 def check_linear_tp(device: str, dtype: torch.dtype, scale: int = 1) -> CheckResult:
