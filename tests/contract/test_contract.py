@@ -26,12 +26,12 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.sites import Site as ModelSite
 
 GOLDEN_BYTES = (
-    b'{"backend":{"arch":"x86_64:avx2,fma:AVX2","cuda":null,"device_kind":"cpu","threads":null,'
-    b'"torch":"2.13.0+cpu","triton":null},"dtypes":{"activations":"float32","kv_cache":"float32",'
+    b'{"backend":{"arch":"x86_64:avx2,fma:AVX2","cuda":null,"device_kind":"cpu","patches":[],'
+    b'"threads":null,"torch":"2.13.0+cpu","triton":null},"dtypes":{"activations":"float32","kv_cache":"float32",'
     b'"logprobs":"float32","params":"float32","recurrent_state":null,"residual":"float32"},'
     b'"model":{"architecture":"Qwen3ForCausalLM","config_digest":'
     b'"af79be01a61a7fe320a804f51e0d74cb62ac3ba73829a1b4fc1f924e06c50db3","layer_kinds":'
-    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":2,'
+    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":3,'
     b'"sites":{"embed_tokens":{"backend":"native","impl_id":'
     b'"native:Embedding","op":"embedding","params":{},"source_fingerprint":"","tp":"1",'
     b'"version":0},"layers.0.input_layernorm":{"backend":"torch-cpu","impl_id":"isoexec.rms_norm",'
@@ -59,7 +59,7 @@ GOLDEN_BYTES = (
     b'"impl_id":"isoexec.rms_norm","op":"rms_norm","params":{"eps":"0x1.0c6f7a0b5ed8dp-20"},'
     b'"source_fingerprint":"0123456789abcdef0123456789abcdef","tp":"1","version":1}}}'
 )
-GOLDEN_HASH = "8c0e2680b79c52d866006c9aa0882c4cb437d2c487aeeee4bd0cde5da07d9f92"
+GOLDEN_HASH = "30cdd578ddbbad10f613a37f555ad6e78f65e04e1e3d0920661dfd5dbc53361e"
 
 
 def test_golden_bytes_and_hash() -> None:
@@ -159,13 +159,13 @@ def test_missing_field_refused() -> None:
 
 def test_unknown_schema_version_refused() -> None:
     d = make_contract(1).to_dict()
-    d["schema_version"] = 3
-    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 3 \(known: 2\)"):
+    d["schema_version"] = 4
+    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 4 \(known: 3\)"):
         Contract.from_bytes(canonical_json(d))
     # Schema 1 (no `parallel` section) is refused, not read with a guessed layout.
     del d["parallel"]
     d["schema_version"] = 1
-    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 2\)"):
+    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 3\)"):
         Contract.from_bytes(canonical_json(d))
     d["schema_version"] = "1"
     with pytest.raises(ContractError, match="schema_version: missing or not an integer"):
@@ -175,7 +175,7 @@ def test_unknown_schema_version_refused() -> None:
 def test_duplicate_keys_bad_utf8_and_wrong_types_refused() -> None:
     b = make_contract(1).to_bytes()
     with pytest.raises(ContractError, match="duplicate key 'schema_version'"):
-        Contract.from_bytes(b[:-1] + b',"schema_version":2}')
+        Contract.from_bytes(b[:-1] + b',"schema_version":3}')
     with pytest.raises(ContractError, match="not UTF-8"):
         Contract.from_bytes(b"\xff" + b)
     with pytest.raises(ContractError, match="not valid JSON"):

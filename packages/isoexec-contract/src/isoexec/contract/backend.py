@@ -12,6 +12,7 @@ from importlib import metadata
 from pathlib import Path
 
 from isoexec.contract.contract_types import BackendIdentity
+from isoexec.contract.patch_table import contract_patch_list
 
 # CPU features that select different vector kernels (x86 `flags`, Arm `Features`).
 ISA_FLAGS: frozenset[str] = frozenset(
@@ -94,4 +95,5 @@ def detect_backend(
         triton=triton,
         cuda=cuda,
         threads=torch.get_num_threads() if record_threads else None,
+        patches=contract_patch_list(),
     )

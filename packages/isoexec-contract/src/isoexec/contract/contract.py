@@ -10,8 +10,8 @@ JSON, UTF-8, keys sorted at every level, no whitespace (`separators=(",", ":")`)
 kept as UTF-8 (not `\\u` escapes), **no floats anywhere** (floats are encoded as exact strings,
 e.g. `float.hex()`); integers, strings, booleans, null, arrays and objects only::
 
-    {"backend":   {"arch":..., "cuda":..., "device_kind":..., "threads":..., "torch":...,
-                   "triton":...},
+    {"backend":   {"arch":..., "cuda":..., "device_kind":..., "patches":[...], "threads":...,
+                   "torch":..., "triton":...},
      "dtypes":    {"activations":..., "kv_cache":..., "logprobs":..., "params":...,
                    "recurrent_state":..., "residual":...},
      "model":     {"architecture":..., "config_digest":..., "layer_kinds":[...]},
@@ -54,6 +54,7 @@ from isoexec.contract.contract_json import (
     _refuse_constant,
     _refuse_float,
     _str,
+    _str_list,
     canonical_json,
 )
 from isoexec.contract.contract_types import (  # re-exported: callers import them from here
@@ -120,6 +121,7 @@ class Contract:
                 "device_kind": self.backend.device_kind,
                 "arch": self.backend.arch,
                 "threads": self.backend.threads,
+                "patches": list(self.backend.patches),
             },
             "parallel": self.parallel.to_dict(),
             "sites": {
@@ -241,6 +243,7 @@ class Contract:
             triton=_opt_str(b["triton"], "backend.triton"),
             cuda=_opt_str(b["cuda"], "backend.cuda"),
             threads=threads,
+            patches=_str_list(b["patches"], "backend.patches"),
         )
         raw_sites = _obj(top["sites"], "sites")
         sites: list[SiteRecord] = []

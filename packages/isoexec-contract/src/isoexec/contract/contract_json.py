@@ -93,3 +93,9 @@ def _str(v: object, where: str) -> str:
 
 def _opt_str(v: object, where: str) -> str | None:
     return None if v is None else _str(v, where)
+
+
+def _str_list(v: object, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list):
+        raise ContractError(f"{where}: expected a list of strings")
+    return tuple(_str(x, f"{where}[]") for x in v)

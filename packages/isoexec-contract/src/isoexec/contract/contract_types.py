@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from isoexec.contract.impl import ImplInfo
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3  # 3: backend.patches
 KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 TP_INVARIANT = "invariant"
 
@@ -53,6 +53,9 @@ class BackendIdentity:
 
     `threads` is recorded only where a backend depends on it (canonical ops do not), else None.
     `triton` only when a Triton kernel is installed, `cuda` only on CUDA devices.
+    `patches`: every write IsoExec makes into either framework, as declared by the IsoExec
+    that built the contract (`patch_table.contract_patch_list`: `side:name@version`), so a
+    peer whose IsoExec patches differently is named in the diff.
     """
 
     torch: str
@@ -61,6 +64,7 @@ class BackendIdentity:
     triton: str | None = None
     cuda: str | None = None
     threads: int | None = None
+    patches: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,8 @@ def validate(c: Contract) -> None:
         type(c.backend.threads) is not int or c.backend.threads < 1
     ):
         raise ContractError("backend.threads: must be a positive integer or None")
+    if not isinstance(c.backend.patches, tuple) or not all(_nonempty(p) for p in c.backend.patches):
+        raise ContractError("backend.patches: must be a tuple of non-empty strings")
     if not isinstance(c.parallel, ParallelLayout):
         raise ContractError(f"parallel: must be a ParallelLayout, got {c.parallel!r}")
     if not isinstance(c.sites, tuple) or not c.sites:

@@ -94,6 +94,8 @@ def diff(a: Contract, b: Contract, *, max_listed: int = 3) -> ContractDiff:
         glob("dtypes", f, getattr(a.dtypes, f), getattr(b.dtypes, f))
     for f in ("torch", "triton", "cuda", "device_kind", "arch", "threads"):
         glob("backend", f, getattr(a.backend, f), getattr(b.backend, f))
+    for p in sorted(set(a.backend.patches) ^ set(b.backend.patches)):  # each patch by name
+        glob("backend", f"patches[{p}]", p in a.backend.patches, p in b.backend.patches)
     for f in ("tp", "pp", "ep", "dp"):
         glob("parallel", f, getattr(a.parallel, f), getattr(b.parallel, f))
 

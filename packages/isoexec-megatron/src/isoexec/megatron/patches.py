@@ -16,12 +16,17 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from isoexec.contract.patch_table import DECLARED
+from isoexec.contract.patching import PatchError, PatchRegistry
+
 WRITTEN_FOR_MEGATRON_CORE = "0.16"
+# Every write into Megatron-core (these and the CPU shims) goes through this registry.
+REGISTRY = PatchRegistry("trainer", DECLARED)
 
 RopeFn = Callable[..., Any]
 
 
-class MegatronVersionError(RuntimeError):
+class MegatronVersionError(PatchError):
     """Megatron-core's internals differ from those a patch here was written for."""
 
 
@@ -36,12 +41,13 @@ def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
             "megatron.core.transformer.attention.apply_rotary_pos_emb is gone (written for "
             f"megatron-core {WRITTEN_FOR_MEGATRON_CORE}): the trainer's RoPE cannot be traced"
         )
-    saved = [(ops, "apply_rope", ops.apply_rope),
-             (mattn, "apply_rotary_pos_emb", mattn.apply_rotary_pos_emb)]  # fmt: skip
+
+    def write() -> None:
+        REGISTRY.set_attr(ops, "apply_rope", wrap(ops.apply_rope))
+        REGISTRY.set_attr(mattn, "apply_rotary_pos_emb", wrap(mattn.apply_rotary_pos_emb))
+
+    REGISTRY.apply("rope_calls_traced", write)
     try:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, wrap(fn))
         yield
     finally:
-        for owner, attr, fn in saved:
-            setattr(owner, attr, fn)
+        REGISTRY.undo("rope_calls_traced")

@@ -1,37 +1,24 @@
-"""Every place IsoExec writes into vLLM where vLLM 0.32 offers no extension point. One module,
-each patch with its reason, pinned to the vLLM version they were written against (everything
-else enters through vLLM's own extension points: `CustomOp` / `PluggableLayer.register_oot`,
-`ModelRegistry.register_model`, the attention-backend registry, the worker extension).
+"""Every write IsoExec makes into vLLM where vLLM 0.32 offers no extension point, each one a
+patch declared in `isoexec.contract.patch_table` (target, reason, checked-against version) and
+applied through this side's `PatchRegistry` (`REGISTRY`), which records what it replaced so
+that `REGISTRY.undo(name)` puts vLLM back. Everything else enters through vLLM's own extension
+points: `CustomOp` / `PluggableLayer.register_oot`, `ModelRegistry.register_model`, the
+attention-backend registry, the worker extension.
 
-- `rebind_sampler`: the model runner constructs its sampler through the module-global name
-  `vllm.v1.worker.gpu_model_runner.Sampler` (the CPU runner inherits it); the sampler is not a
-  `CustomOp`, so the name is rebound to IsoExec's.
-- `rebind_qwen3_next_attention`: `Qwen3NextAttention` is a plain `nn.Module` whose output gate
-  is inline; Qwen3-Next's decoder layer constructs it through the module-global name, which is
-  rebound.
-- `text_only_config_hook`: vLLM picks a per-architecture config hook from
-  `vllm.model_executor.models.config.MODELS_CONFIG_MAP`; the table has no registration
-  function. Served text only, a Qwen3.5 vision-language architecture needs the hook of its
-  causal-LM sibling, which drops the M-RoPE fields so the runner passes 1-D positions.
-- `select_punica_wrapper`: vLLM's LoRA layers get their punica wrapper (the adapter maths)
-  from `current_platform.get_punica_wrapper()`, a per-platform constant with no registration;
-  the running platform's method is made to name IsoExec's (`lora.IsoPunicaWrapper`).
-- `gate_adapter_loads`: every adapter a worker loads (a request's `LoRARequest`, `add_lora`,
-  `/v1/load_lora_adapter`) is read by `WorkerLoRAManager._load_adapter`, which has no hook;
-  it is wrapped so the adapter gate (`adapter_gate.check_adapter_load`) runs first.
-- `admit_lora_requests`: the frontend validates a request's `LoRARequest` in
-  `InputProcessor._validate_lora` and adds adapters through `LLMEngine.add_lora` /
-  `AsyncLLM.add_lora` / `remove_lora`, none with a hook; each is wrapped so a request may
-  name only an adapter that was added (and so passed the gate) first.
-- IsoExec's linear layers override `CustomOp.dispatch_forward` (`layers.py`) to bind the
-  engine's backend when vLLM constructs the layer: a method vLLM calls, not a public hook.
+IsoExec's linear layers also override `CustomOp.dispatch_forward` (`layers.py`, `gdn.py`) in
+their own subclasses to bind the engine's backend when vLLM constructs the layer: a method vLLM
+calls, not a write into vLLM, so not a patch.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from isoexec.contract.patch_table import DECLARED
+from isoexec.contract.patching import PatchError, PatchRegistry
+
 WRITTEN_FOR_VLLM = "0.32"
+REGISTRY = PatchRegistry("engine", DECLARED)
 
 # Vision-language name -> the causal-LM name whose config hook a text-only engine uses.
 _TEXT_ONLY_HOOK_OF = {
@@ -40,31 +27,39 @@ _TEXT_ONLY_HOOK_OF = {
 }
 
 
-class VllmVersionError(RuntimeError):
+class VllmVersionError(PatchError):
     """vLLM's internals differ from those a patch here was written for."""
 
 
-def _rebind(module: object, name: str, new: type) -> None:
+def _rebind(patch: str, module: object, name: str, new: type) -> None:
     if not hasattr(module, name):
         raise VllmVersionError(
             f"{getattr(module, '__name__', module)}.{name} is gone (written for vLLM "
             f"{WRITTEN_FOR_VLLM}): IsoExec cannot install {new.__name__}"
         )
-    setattr(module, name, new)
+    REGISTRY.apply(patch, lambda: REGISTRY.set_attr(module, name, new))
 
 
 def rebind_sampler(sampler_cls: type) -> None:
-    """Make vLLM's (V1) model runner build `sampler_cls` (in the worker, before the runner)."""
+    """Make vLLM's (V1) model runner build `sampler_cls` (in the worker, before the runner),
+    and select the V1 runner on CUDA (vLLM 0.32 defaults to V2 there, which builds its own
+    sampler; a user who asks for V2 explicitly keeps it, and its logprobs site then reads back
+    native, so the handshake refuses)."""
     import vllm.v1.worker.gpu_model_runner as runner
 
-    _rebind(runner, "Sampler", sampler_cls)
+    _rebind("sampler", runner, "Sampler", sampler_cls)
+    REGISTRY.apply("v1_model_runner", lambda: REGISTRY.set_env(V2_RUNNER_ENV, "0"))
+
+
+# vLLM's switch between its model runners (V2 builds its own sampler).
+V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
 def rebind_qwen3_next_attention(attention_cls: type) -> None:
     """Make Qwen3-Next decoder layers build `attention_cls` (before any model is built)."""
     import vllm.model_executor.models.qwen3_next as qwen3_next
 
-    _rebind(qwen3_next, "Qwen3NextAttention", attention_cls)
+    _rebind("qwen3_next_attention", qwen3_next, "Qwen3NextAttention", attention_cls)
 
 
 def select_punica_wrapper(qualname: str) -> None:
@@ -77,7 +72,10 @@ def select_punica_wrapper(qualname: str) -> None:
             f"{platform.__name__}.get_punica_wrapper is gone (written for vLLM "
             f"{WRITTEN_FOR_VLLM}): IsoExec cannot install its LoRA op"
         )
-    platform.get_punica_wrapper = classmethod(lambda cls: qualname)  # type: ignore[method-assign]
+    wrapper = classmethod(lambda cls: qualname)
+    REGISTRY.apply(
+        "punica_wrapper", lambda: REGISTRY.set_attr(platform, "get_punica_wrapper", wrapper)
+    )
 
 
 def gate_adapter_loads(check: Any) -> None:
@@ -91,14 +89,14 @@ def gate_adapter_loads(check: Any) -> None:
             f"WorkerLoRAManager._load_adapter is gone (written for vLLM {WRITTEN_FOR_VLLM}): "
             "IsoExec cannot gate adapter loads"
         )
-    if getattr(original, "isoexec_gated", False):
-        return
 
     def _load_adapter(self: Any, lora_request: Any) -> Any:
         return original(self, check(self, lora_request))
 
-    _load_adapter.isoexec_gated = True  # type: ignore[attr-defined]
-    WorkerLoRAManager._load_adapter = _load_adapter  # type: ignore[method-assign]
+    REGISTRY.apply(
+        "adapter_loads",
+        lambda: REGISTRY.set_attr(WorkerLoRAManager, "_load_adapter", _load_adapter),
+    )
 
 
 def admit_lora_requests(check: Any, on_added: Any, on_removed: Any) -> None:
@@ -118,7 +116,7 @@ def admit_lora_requests(check: Any, on_added: Any, on_removed: Any) -> None:
                 f"{cls.__name__}.{name} is gone (written for vLLM {WRITTEN_FOR_VLLM}): IsoExec "
                 "cannot admit LoRA requests"
             )
-    if getattr(InputProcessor._validate_lora, "isoexec_gated", False):
+    if REGISTRY.is_applied("lora_admission"):
         return
     validate = InputProcessor._validate_lora
 
@@ -127,35 +125,38 @@ def admit_lora_requests(check: Any, on_added: Any, on_removed: Any) -> None:
         validate(self, lora_request)
         check(lora_request)
 
-    _validate_lora.isoexec_gated = True  # type: ignore[attr-defined]
-    InputProcessor._validate_lora = _validate_lora  # type: ignore[method-assign]
+    def write() -> None:
+        REGISTRY.set_attr(InputProcessor, "_validate_lora", _validate_lora)
+        for cls in (LLMEngine, AsyncLLM):
+            add, remove = cls.add_lora, cls.remove_lora
+            if cls is AsyncLLM:
 
-    for cls in (LLMEngine, AsyncLLM):
-        add, remove = cls.add_lora, cls.remove_lora
-        if cls is AsyncLLM:
+                async def add_async(self: Any, req: Any, _add: Any = add) -> Any:
+                    out = await _add(self, req)
+                    on_added(req, out)
+                    return out
 
-            async def add_async(self: Any, req: Any, _add: Any = add) -> Any:
-                out = await _add(self, req)
-                on_added(req, out)
-                return out
+                async def remove_async(self: Any, lora_id: int, _remove: Any = remove) -> Any:
+                    on_removed(lora_id)
+                    return await _remove(self, lora_id)
 
-            async def remove_async(self: Any, lora_id: int, _remove: Any = remove) -> Any:
-                on_removed(lora_id)
-                return await _remove(self, lora_id)
+                REGISTRY.set_attr(cls, "add_lora", add_async)
+                REGISTRY.set_attr(cls, "remove_lora", remove_async)
+            else:
 
-            cls.add_lora, cls.remove_lora = add_async, remove_async  # type: ignore[method-assign]
-        else:
+                def add_sync(self: Any, req: Any, _add: Any = add) -> Any:
+                    out = _add(self, req)
+                    on_added(req, out)
+                    return out
 
-            def add_sync(self: Any, req: Any, _add: Any = add) -> Any:
-                out = _add(self, req)
-                on_added(req, out)
-                return out
+                def remove_sync(self: Any, lora_id: int, _remove: Any = remove) -> Any:
+                    on_removed(lora_id)
+                    return _remove(self, lora_id)
 
-            def remove_sync(self: Any, lora_id: int, _remove: Any = remove) -> Any:
-                on_removed(lora_id)
-                return _remove(self, lora_id)
+                REGISTRY.set_attr(cls, "add_lora", add_sync)
+                REGISTRY.set_attr(cls, "remove_lora", remove_sync)
 
-            cls.add_lora, cls.remove_lora = add_sync, remove_sync  # type: ignore[method-assign]
+    REGISTRY.apply("lora_admission", write)
 
 
 def text_only_config_hook(arch: str) -> None:
@@ -170,16 +171,40 @@ def text_only_config_hook(arch: str) -> None:
         raise VllmVersionError(
             f"vLLM has no config hook for {sibling} (written for vLLM {WRITTEN_FOR_VLLM})"
         )
-    table[arch] = table[sibling]
+    REGISTRY.apply(
+        "text_only_config_hook", lambda: REGISTRY.set_item(table, arch, table[sibling]), rerun=True
+    )
+
+
+def refuse_transfer_backends(names: tuple[str, ...], refusing: Any) -> None:
+    """Replace the loaders of the weight-transfer backends `names` in vLLM's factory registry
+    by `refusing(name)` (a loader that raises when vLLM creates that backend)."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    registry = getattr(WeightTransferEngineFactory, "_registry", None)
+    if not isinstance(registry, dict):
+        raise VllmVersionError(
+            f"WeightTransferEngineFactory._registry is gone (written for vLLM {WRITTEN_FOR_VLLM})"
+        )
+
+    def write() -> None:
+        for name in names:
+            if name in registry:
+                REGISTRY.set_item(registry, name, refusing(name))
+
+    REGISTRY.apply("ungated_transfer_backends", write)
 
 
 __all__ = [
+    "REGISTRY",
+    "V2_RUNNER_ENV",
     "WRITTEN_FOR_VLLM",
     "VllmVersionError",
     "admit_lora_requests",
     "gate_adapter_loads",
     "rebind_qwen3_next_attention",
     "rebind_sampler",
+    "refuse_transfer_backends",
     "select_punica_wrapper",
     "text_only_config_hook",
 ]

@@ -11,7 +11,6 @@ Top-k / top-p would mask the distribution in a way the trainer does not reproduc
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 from typing import Any
 
@@ -23,10 +22,10 @@ from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
+from isoexec.vllm.patches import V2_RUNNER_ENV, rebind_sampler
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
-V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 # A logprobs mode for which vLLM's `Sampler.sample` and top-k/top-p sampler compute nothing
 # (they compute for the processed_* modes only).
 _NO_LOGPROBS = "raw_logprobs"
@@ -127,10 +126,4 @@ def install_sampler() -> None:
     runner constructs it through (`vllm.v1.worker.gpu_model_runner.Sampler`, also the base
     of the CPU runner). It runs in the worker process before the runner exists.
     """
-    from isoexec.vllm.patches import rebind_sampler
-
-    rebind_sampler(IsoSampler)
-    # On CUDA vLLM 0.32 defaults to Model Runner V2, which builds its own sampler: select the
-    # V1 runner, whose sampler this is. A user who asks for V2 explicitly keeps it; its
-    # logprobs site then reads back native and the handshake refuses (never a silent MATCH).
-    os.environ.setdefault(V2_RUNNER_ENV, "0")
+    rebind_sampler(IsoSampler)  # and the V1 runner on CUDA (V2 builds its own sampler)

@@ -175,10 +175,10 @@ def refuse_ungated_transfer_backends() -> None:
     """Make vLLM refuse, when asked for, the weight-transfer backends the gate cannot guard.
 
     vLLM's `WeightTransferEngineFactory` creates a backend through the loader registered under
-    its name; the loaders of `UNGATED_TRANSFER_BACKENDS` are replaced by one that raises. (The
-    factory offers registration of new names only, so its registry dict is written here.)
+    its name; the loaders of `UNGATED_TRANSFER_BACKENDS` are replaced by one that raises (the
+    factory offers registration of new names only: patch `ungated_transfer_backends`).
     """
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from isoexec.vllm.patches import refuse_transfer_backends
 
     def refusing(name: str) -> Any:
         def loader() -> type:
@@ -190,10 +190,7 @@ def refuse_ungated_transfer_backends() -> None:
 
         return loader
 
-    registry = WeightTransferEngineFactory._registry
-    for name in UNGATED_TRANSFER_BACKENDS:
-        if name in registry:
-            registry[name] = refusing(name)
+    refuse_transfer_backends(UNGATED_TRANSFER_BACKENDS, refusing)
 
 
 def register_gated_models() -> None:

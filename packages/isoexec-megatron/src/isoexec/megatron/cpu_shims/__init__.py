@@ -51,10 +51,43 @@ from isoexec.megatron.cpu_shims.transformer import (
     shim_router_gating_on_cpu,
     shim_tp_mappings_on_cpu,
 )
+from isoexec.megatron.patches import REGISTRY
 
 SUPPORTED_MEGATRON_VERSION = "0.16.1"
 
-_APPLIED: list[str] = []
+# Each shim is one patch of `isoexec.contract.patch_table`, applied through the trainer's
+# `PatchRegistry` (`isoexec.megatron.patches.REGISTRY`), which can undo it.
+PATCH_OF = {
+    "shim_disable_jit_fuser": "jit_fuser",
+    "shim_rotary_embedding_stays_on_cpu": "rotary_embedding_cpu",
+    "shim_global_memory_buffer_on_cpu": "global_memory_buffer_cpu",
+    "shim_causal_masks_on_cpu": "causal_masks_cpu",
+    "shim_router_gating_on_cpu": "router_gating_cpu",
+    "shim_moe_utils_without_te": "moe_utils_without_te",
+    "shim_cpu_rng_tracker": "cpu_rng_tracker",
+    "shim_tp_mappings_on_cpu": "tp_mappings_cpu",
+    "shim_torch_norm_zero_centered_gamma": "torch_norm_zero_centered_gamma",
+    "shim_gated_delta_net_without_fla": "gated_delta_net_without_fla",
+    "shim_gated_delta_net_on_cpu": "gated_delta_net_cpu",
+    "shim_pipeline_on_cpu": "pipeline_cpu",
+}
+_SHIM_OF = {patch: shim for shim, patch in PATCH_OF.items()}
+
+
+def _apply(shim: Callable[[], None], *, rerun: bool = False) -> None:
+    REGISTRY.apply(PATCH_OF[shim.__name__], shim, rerun=rerun)
+
+
+def _applied() -> list[str]:
+    """The shims in force, in application order (by their function names)."""
+    return [_SHIM_OF[p] for p in REGISTRY.applied() if p in _SHIM_OF]
+
+
+def undo_cpu_shims() -> None:
+    """Put Megatron back as it was before any shim (every write each shim made, undone)."""
+    for patch in reversed(REGISTRY.applied()):
+        if patch in _SHIM_OF:
+            REGISTRY.undo(patch)
 
 
 def _check_environment() -> None:
@@ -115,17 +148,13 @@ def apply_cpu_shims() -> list[str]:
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
     for shim in _SHIMS:
-        if shim.__name__ in _APPLIED and shim.__name__ not in _RERUNNABLE:
-            continue
-        shim()
-        if shim.__name__ not in _APPLIED:
-            _APPLIED.append(shim.__name__)
+        _apply(shim, rerun=shim.__name__ in _RERUNNABLE)
     return applied_cpu_shims()
 
 
 def applied_cpu_shims() -> list[str]:
     """Names of the shims applied in this process, in application order."""
-    return list(_APPLIED)
+    return _applied()
 
 
 # --------------------------------------------------------------------------------------------
@@ -187,17 +216,16 @@ def apply_dependency_shims() -> list[str]:
     import megatron.core.transformer.torch_norm  # noqa: F401
 
     for shim, applies, _why in DEPENDENCY_SHIMS:
-        if shim.__name__ in _APPLIED or not applies():
+        if shim.__name__ in _applied() or not applies():
             continue
-        shim()
-        _APPLIED.append(shim.__name__)
-    return [name for name in _APPLIED if name in _dependency_names()]
+        _apply(shim)
+    return [name for name in _applied() if name in _dependency_names()]
 
 
 def applied_cpu_only_shims() -> list[str]:
     """The CPU-only shims applied in this process (those not in `DEPENDENCY_SHIMS`): a process
     holding any of them has Megatron allocating on the CPU and cannot host a CUDA trainer."""
-    return [name for name in _APPLIED if name not in _dependency_names()]
+    return [name for name in _applied() if name not in _dependency_names()]
 
 
 def _dependency_names() -> set[str]:
@@ -206,6 +234,7 @@ def _dependency_names() -> set[str]:
 
 __all__ = [
     "DEPENDENCY_SHIMS",
+    "PATCH_OF",
     "SUPPORTED_MEGATRON_VERSION",
     "ZeroCenteredTorchRMSNorm",
     "applied_cpu_only_shims",
@@ -214,4 +243,5 @@ __all__ = [
     "apply_dependency_shims",
     "model_parallel_cpu_manual_seed",
     "reset_cpu_rng_tracker",
+    "undo_cpu_shims",
 ]

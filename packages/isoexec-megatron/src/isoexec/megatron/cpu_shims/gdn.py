@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from isoexec.megatron.cpu_shims.transformer import _TorchWithCpuCurrentDevice
+from isoexec.megatron.patches import REGISTRY
 
 # --------------------------------------------------------------------------------------------
 # 9. Zero-centred RMSNorm (`layernorm_zero_centered_gamma`) without Transformer Engine
@@ -84,7 +85,7 @@ def shim_torch_norm_zero_centered_gamma() -> None:
         return norm_cls(normalized_shape=hidden_size, eps=eps)
 
     __new__.__doc__ = upstream_new.__doc__
-    torch_norm.WrappedTorchNorm.__new__ = __new__  # type: ignore[method-assign,assignment]
+    REGISTRY.set_attr(torch_norm.WrappedTorchNorm, "__new__", __new__)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,9 +113,10 @@ def shim_gated_delta_net_without_fla() -> None:
         raise RuntimeError("flash-linear-attention is installed: this shim is for an fla-less CPU")
     if hf_l2norm is None:
         return
-    gdn.l2norm = hf_l2norm  # type: ignore[attr-defined]
-    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule
-    gdn.HAVE_FLA = True
+    REGISTRY.set_attr(gdn, "l2norm", hf_l2norm, must_exist=False)
+    REGISTRY.set_attr(gdn, "chunk_gated_delta_rule", gdn.torch_chunk_gated_delta_rule,
+                      must_exist=False)  # fmt: skip
+    REGISTRY.set_attr(gdn, "HAVE_FLA", True)
 
 
 def _hf_l2norm() -> Callable[..., torch.Tensor] | None:
@@ -137,4 +139,4 @@ def shim_gated_delta_net_on_cpu() -> None:
     from megatron.core.ssm import gated_delta_net as gdn
 
     if not isinstance(gdn.torch, _TorchWithCpuCurrentDevice):
-        gdn.torch = _TorchWithCpuCurrentDevice()  # type: ignore[assignment]
+        REGISTRY.set_attr(gdn, "torch", _TorchWithCpuCurrentDevice())

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from isoexec.megatron.patches import REGISTRY
+
 
 class _TorchWithCpuCurrentDevice:
     """The `torch` module, except that `torch.cuda.current_device()` is "cpu"."""
@@ -58,22 +60,22 @@ def shim_disable_jit_fuser() -> None:
     """
     import megatron.core.jit as mjit
 
-    mjit.jit_fuser = _noop_decorator
+    REGISTRY.set_attr(mjit, "jit_fuser", _noop_decorator)
     for name, mod in list(sys.modules.items()):
         if mod is None or not name.startswith("megatron.core"):
             continue
         mdict = vars(mod)
         if mdict.get("jit_fuser") is not None and mdict["jit_fuser"] is not _noop_decorator:
-            mod.jit_fuser = _noop_decorator  # type: ignore[attr-defined]
+            REGISTRY.set_attr(mod, "jit_fuser", _noop_decorator)
         for attr, val in list(mdict.items()):
             orig = _unwrap_compiled(val)
             if orig is not None:
-                setattr(mod, attr, orig)
+                REGISTRY.set_attr(mod, attr, orig)
             elif isinstance(val, type) and val.__module__ == name:
                 for cattr, cval in list(vars(val).items()):
                     corig = _unwrap_compiled(cval)
                     if corig is not None:
-                        setattr(val, cattr, corig)
+                        REGISTRY.set_attr(val, cattr, corig)
 
 
 # --------------------------------------------------------------------------------------------
@@ -101,7 +103,7 @@ def shim_rotary_embedding_stays_on_cpu() -> None:
         return emb[:, None, None, :]
 
     get_emb.__doc__ = RotaryEmbedding.get_emb.__doc__
-    RotaryEmbedding.get_emb = get_emb  # type: ignore[method-assign]
+    REGISTRY.set_attr(RotaryEmbedding, "get_emb", get_emb)
 
 
 # --------------------------------------------------------------------------------------------
@@ -137,7 +139,7 @@ def shim_global_memory_buffer_on_cpu() -> None:
                 )
         return self.buffer[(name, dtype)][0:required_len].view(*tensor_shape)
 
-    GlobalMemoryBuffer.get_tensor = get_tensor  # type: ignore[method-assign]
+    REGISTRY.set_attr(GlobalMemoryBuffer, "get_tensor", get_tensor)
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,8 +169,8 @@ def shim_causal_masks_on_cpu() -> None:
         return ~ml
 
     for mod in (tutils, fused_softmax):
-        mod.get_default_causal_mask = get_default_causal_mask  # type: ignore[attr-defined]
-        mod.get_sliding_window_causal_mask = get_sliding_window_causal_mask  # type: ignore[attr-defined]
+        REGISTRY.set_attr(mod, "get_default_causal_mask", get_default_causal_mask)
+        REGISTRY.set_attr(mod, "get_sliding_window_causal_mask", get_sliding_window_causal_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def shim_router_gating_on_cpu() -> None:
         return router_mod.router_gating_linear(input, self.weight, self.bias, router_dtype)
 
     gating.__doc__ = router_mod.Router.gating.__doc__
-    router_mod.Router.gating = gating  # type: ignore[method-assign]
+    REGISTRY.set_attr(router_mod.Router, "gating", gating)
 
 
 # --------------------------------------------------------------------------------------------
@@ -215,7 +217,7 @@ def shim_moe_utils_without_te() -> None:
     if getattr(moe_utils, "HAVE_TE", False):
         raise RuntimeError("moe_utils.HAVE_TE is True: this shim is only for a TE-less install")
     if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
+        REGISTRY.set_attr(moe_utils, "te_general_gemm", None, must_exist=False)
 
 
 # --------------------------------------------------------------------------------------------
@@ -328,8 +330,8 @@ def shim_cpu_rng_tracker() -> None:
             )
         model_parallel_cpu_manual_seed(seed)
 
-    mrandom.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed
-    tp_pkg.model_parallel_cuda_manual_seed = model_parallel_cuda_manual_seed  # type: ignore[attr-defined]
+    REGISTRY.set_attr(mrandom, "model_parallel_cuda_manual_seed", model_parallel_cuda_manual_seed)
+    REGISTRY.set_attr(tp_pkg, "model_parallel_cuda_manual_seed", model_parallel_cuda_manual_seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -350,7 +352,7 @@ def shim_tp_mappings_on_cpu() -> None:
     from megatron.core.tensor_parallel import mappings
 
     if not isinstance(mappings.torch, _TorchWithCpuCurrentDevice):
-        mappings.torch = _TorchWithCpuCurrentDevice()  # type: ignore[assignment]
+        REGISTRY.set_attr(mappings, "torch", _TorchWithCpuCurrentDevice())
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,4 +385,4 @@ def shim_pipeline_on_cpu() -> None:
 
     for mod in (p2p, schedules):
         if not isinstance(mod.torch, _TorchForCpuPipeline):
-            mod.torch = _TorchForCpuPipeline()  # type: ignore[assignment]
+            REGISTRY.set_attr(mod, "torch", _TorchForCpuPipeline())
