@@ -5,8 +5,9 @@ every site; each class here calls the same op, with the same dtypes, the same we
 and the same roundings, so the trainer's logprobs are the engine's bit for bit. Every class
 subclasses (or replaces, constructor-compatible) the Megatron module of its slot, so weight
 names, `load_hf_weights` / `export_hf_weights` and the optimizer see the same parameters.
-Megatron itself is never patched: the classes enter through `Submodules` (the layer spec),
-`IsoTransformerConfig` and `IsoGPTModel`.
+The model is never patched: the classes enter through `Submodules` (the layer spec),
+`IsoTransformerConfig` and `IsoGPTModel` (the process-wide writes into Megatron, the CPU shims
+and the RoPE trace wrapper, are declared patches: `isoexec.megatron.patches.REGISTRY`).
 
 Each instance carries `isoexec_impl` (the `ImplInfo` of the op it runs) or `isoexec_impls`
 (op -> ImplInfo, for a module that runs several); the contract is read back from these.
