@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,22 +72,39 @@ def test_weight_transfer_backends_are_gated_or_refused(
 ) -> None:
     """vLLM's weight-transfer backends (behind `update_weights`): those that write through the
     model's `load_weights` (IPC, NCCL, M2N: checked in their source; running them needs a GPU
-    transport) pass the gate; those that write elsewhere (sparse NCCL's weight patches, the
-    sharded RDT fast path, the external modelexpress) are refused in an IsoExec worker."""
+    transport) pass the gate; an IsoExec engine configured with any other (sparse NCCL's
+    weight patches, the sharded RDT fast path, the external modelexpress, one vLLM adds later)
+    refuses to start, naming the setting. vLLM's own backend registry is left as it is."""
     import importlib
 
-    from isoexec.vllm.weight_gate import UNGATED_TRANSFER_BACKENDS
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from isoexec.vllm.admission import refused_engine_settings
+    from isoexec.vllm.weight_gate import GATED_TRANSFER_BACKENDS
 
     for name in ("ipc_engine", "nccl_engine", "m2n_engine"):
         src = inspect.getsource(importlib.import_module(f"vllm.distributed.weight_transfer.{name}"))
         assert ".load_weights(" in src and "param.data" not in src, name
+    registered = set(WeightTransferEngineFactory._registry)
+    assert set(GATED_TRANSFER_BACKENDS) < registered  # the others exist, and are refused
     engine = engine_pool(model=model_factory("tiny-dense", "float32"), dtype="float32",
                          isoexec=True, seed=11, enforce_eager=True)  # fmt: skip
     (backends,) = engine.call("collective_rpc", transfer_backends)
-    for name in UNGATED_TRANSFER_BACKENDS:
-        assert "writes parameters outside the model's load_weights" in backends[name], name
-    for name in ("ipc", "nccl", "nccl_m2n"):
-        assert backends[name] == "ok", (name, backends[name])
+    assert set(backends) == registered  # an IsoExec worker does not rewrite vLLM's registry
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(quantization=None, logits_processors=[],
+                                           hf_overrides=None),
+        cache_config=types.SimpleNamespace(cache_dtype="auto"),
+        speculative_config=None, lora_config=None, watermark_config=None,
+    )  # fmt: skip
+    for name in sorted(registered | {"a-future-backend"}):
+        cfg.weight_transfer_config = WeightTransferConfig(backend=name)
+        refused = refused_engine_settings(cfg)
+        if name in GATED_TRANSFER_BACKENDS:
+            assert refused == [], (name, refused)
+        else:
+            assert any(f"backend {name!r}" in r for r in refused), (name, refused)
 
 
 def test_stock_engine_keeps_vllms_model_class(

@@ -100,4 +100,4 @@ def test_docs_carry_the_generated_patch_table() -> None:
     doc = (ROOT / "docs" / "architecture.md").read_text()
     assert DOC_BEGIN in doc and DOC_END in doc
     block = doc[doc.index(DOC_BEGIN) : doc.index(DOC_END) + len(DOC_END)]
-    assert block == markdown(), "regenerate with isoexec.contract.patch_table.markdown()"
+    assert block == markdown(), "regenerate with `python scripts/gen_docs.py`"

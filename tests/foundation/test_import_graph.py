@@ -77,7 +77,7 @@ def test_the_architecture_doc_carries_the_generated_layer_table() -> None:
     assert DOC_BEGIN in doc and DOC_END in doc
     block = doc[doc.index(DOC_BEGIN) : doc.index(DOC_END) + len(DOC_END)]
     assert block == markdown(modules(package_roots())), (
-        "regenerate with `python -m isoexec.tools.layout --markdown`"
+        "regenerate with `python scripts/gen_docs.py`"
     )
 
 

@@ -103,6 +103,7 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
         "fully_sharded_loras": dict(enable_lora=True, fully_sharded_loras=True),
         "kv_cache_dtype": dict(kv_cache_dtype="fp8"),
         "logits_processors": dict(logits_processors=[admission.ADMISSION, "m:Other"]),
+        "weight_transfer_config": dict(weight_transfer_config={"backend": "sparse_nccl"}),
     }
     for name, kwargs in cases.items():
         try:

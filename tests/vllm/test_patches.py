@@ -68,18 +68,18 @@ INSTALL_AND_UNDO = """
 import json
 import vllm.v1.worker.gpu_model_runner as runner
 from vllm.lora.worker_manager import WorkerLoRAManager
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory as F
+from vllm.v1.engine.input_processor import InputProcessor as P
 from isoexec.vllm.install import install_plugin
 from isoexec.vllm.patches import REGISTRY
-before = (runner.Sampler, WorkerLoRAManager._load_adapter, dict(F._registry))
+before = (runner.Sampler, WorkerLoRAManager._load_adapter, P._validate_lora)
 install_plugin()
 applied = REGISTRY.applied()
-after = (runner.Sampler, WorkerLoRAManager._load_adapter, dict(F._registry))
+after = (runner.Sampler, WorkerLoRAManager._load_adapter, P._validate_lora)
 REGISTRY.undo_all()
-undone = (runner.Sampler, WorkerLoRAManager._load_adapter, dict(F._registry))
+undone = (runner.Sampler, WorkerLoRAManager._load_adapter, P._validate_lora)
 print(json.dumps(applied))
-print(after[0] is not before[0], after[1] is not before[1], after[2] != before[2])
-print(undone[0] is before[0], undone[1] is before[1], undone[2] == before[2])
+print(after[0] is not before[0], after[1] is not before[1], after[2] is not before[2])
+print(undone[0] is before[0], undone[1] is before[1], undone[2] is before[2])
 """
 
 

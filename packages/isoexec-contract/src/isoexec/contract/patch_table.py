@@ -35,10 +35,6 @@ _ENGINE = (
     ("lora_admission", "InputProcessor._validate_lora, LLMEngine/AsyncLLM.add_lora/remove_lora",
      "the frontend validates and adds adapters with no hook: a request may name only an "
      "adapter that passed the gate"),
-    ("ungated_transfer_backends",
-     "vllm.distributed.weight_transfer.factory.WeightTransferEngineFactory._registry",
-     "the factory registers new names only; the backends that write around load_weights "
-     "(sparse_nccl, sharded_rdt, modelexpress) are made to refuse"),
 )  # fmt: skip
 
 _TRAINER = (

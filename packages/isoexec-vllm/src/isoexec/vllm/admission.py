@@ -131,6 +131,7 @@ def check_request(params: SamplingParams) -> None:
 def refused_engine_settings(vllm_config: Any) -> list[str]:
     """The engine settings that change the bits without the contract recording them."""
     from isoexec.vllm.lora import refused_lora_settings
+    from isoexec.vllm.weight_gate import GATED_TRANSFER_BACKENDS
 
     model = vllm_config.model_config
     out = refused_lora_settings(vllm_config)
@@ -146,6 +147,13 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
         out.append(f"logits_processors={[_name(p) for p in others]}: they change the logits")
     if getattr(vllm_config, "watermark_config", None) is not None:
         out.append("watermarking: it changes the sampled distribution")
+    transfer = getattr(vllm_config, "weight_transfer_config", None)
+    if transfer is not None and transfer.backend not in GATED_TRANSFER_BACKENDS:
+        out.append(
+            f"weight_transfer_config backend {transfer.backend!r}: it writes parameters outside "
+            "the model's load_weights, where the weight gate cannot require a MATCH (use "
+            f"{', '.join(GATED_TRANSFER_BACKENDS)}, or isoexec_load_weights)"
+        )
     if callable(model.hf_overrides):
         out.append("hf_overrides as a function: the contract cannot record what it changed")
     return out

@@ -38,7 +38,6 @@ def install_plugin() -> None:
     from isoexec.vllm.served_handshake import offer_when_loaded
     from isoexec.vllm.weight_gate import (
         on_first_load,
-        refuse_ungated_transfer_backends,
         register_gated_models,
     )
 
@@ -55,7 +54,6 @@ def install_plugin() -> None:
     admit_lora_requests(check_request_adapter, record_added, record_removed)  # frontend
     register_gated_models()  # every weight write after the first load needs this worker's MATCH
     on_first_load(offer_when_loaded)  # a served engine offers its contract once loaded
-    refuse_ungated_transfer_backends()  # transfer backends that write around load_weights
     mark_installed()
 
 

@@ -176,25 +176,6 @@ def text_only_config_hook(arch: str) -> None:
     )
 
 
-def refuse_transfer_backends(names: tuple[str, ...], refusing: Any) -> None:
-    """Replace the loaders of the weight-transfer backends `names` in vLLM's factory registry
-    by `refusing(name)` (a loader that raises when vLLM creates that backend)."""
-    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
-
-    registry = getattr(WeightTransferEngineFactory, "_registry", None)
-    if not isinstance(registry, dict):
-        raise VllmVersionError(
-            f"WeightTransferEngineFactory._registry is gone (written for vLLM {WRITTEN_FOR_VLLM})"
-        )
-
-    def write() -> None:
-        for name in names:
-            if name in registry:
-                REGISTRY.set_item(registry, name, refusing(name))
-
-    REGISTRY.apply("ungated_transfer_backends", write)
-
-
 __all__ = [
     "REGISTRY",
     "V2_RUNNER_ENV",
@@ -204,7 +185,6 @@ __all__ = [
     "gate_adapter_loads",
     "rebind_qwen3_next_attention",
     "rebind_sampler",
-    "refuse_transfer_backends",
     "select_punica_wrapper",
     "text_only_config_hook",
 ]

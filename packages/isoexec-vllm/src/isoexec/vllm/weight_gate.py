@@ -4,7 +4,8 @@ Every way vLLM 0.32 writes a model's weights after it is built ends in the model
 `load_weights`: the initial checkpoint load, `collective_rpc("reload_weights")`
 (`model_loader.reload.inplace`), the IPC, NCCL and M2N weight-transfer engines behind
 `update_weights`, an RL framework's own worker extension, and IsoExec's `isoexec_load_weights`.
-The transfer backends that write elsewhere are refused (`refuse_ungated_transfer_backends`).
+The transfer backends that write elsewhere are refused at start-up (`GATED_TRANSFER_BACKENDS`,
+checked by `admission.refused_engine_settings`).
 With `ISOEXEC=1` IsoExec serves each supported architecture with a subclass of vLLM's model
 class (`ModelRegistry.register_model`, vLLM's extension point) whose `load_weights` lets the
 first call (the checkpoint the engine starts from) through and then requires this worker's
@@ -163,34 +164,13 @@ def gated(base: type) -> type:
     return type(base.__name__, (GatedLoadWeights, base), {"__module__": __name__})
 
 
-# vLLM's weight-transfer backends that write parameters outside `model.load_weights`, so the
-# gate cannot see their writes: sparse_nccl applies checkpoint patches through the parameters'
-# own loaders, sharded_rdt writes `param.data` on its fast path (after a first update that
-# goes through `load_weights`), modelexpress is an external package. Measured in vLLM 0.32's
-# source; `tests`: integration/test_weight_gate_paths.py.
-UNGATED_TRANSFER_BACKENDS = ("sparse_nccl", "sharded_rdt", "modelexpress")
-
-
-def refuse_ungated_transfer_backends() -> None:
-    """Make vLLM refuse, when asked for, the weight-transfer backends the gate cannot guard.
-
-    vLLM's `WeightTransferEngineFactory` creates a backend through the loader registered under
-    its name; the loaders of `UNGATED_TRANSFER_BACKENDS` are replaced by one that raises (the
-    factory offers registration of new names only: patch `ungated_transfer_backends`).
-    """
-    from isoexec.vllm.patches import refuse_transfer_backends
-
-    def refusing(name: str) -> Any:
-        def loader() -> type:
-            raise WeightSyncRefusedError(
-                f"weight-transfer backend {name!r} writes parameters outside the model's "
-                "load_weights, where IsoExec's weight gate cannot require a MATCH; with "
-                "ISOEXEC=1 use 'ipc', 'nccl' or 'nccl_m2n' (or isoexec_load_weights)"
-            )
-
-        return loader
-
-    refuse_transfer_backends(UNGATED_TRANSFER_BACKENDS, refusing)
+# vLLM's weight-transfer backends that write through the model's `load_weights`, where the gate
+# sees every write (IPC, NCCL, M2N: measured in vLLM 0.32's source). The others are refused at
+# start-up (`admission.refused_engine_settings`): sparse_nccl applies checkpoint patches through
+# the parameters' own loaders, sharded_rdt writes `param.data` on its fast path, modelexpress is
+# an external package, and a backend vLLM adds later is unknown. Tests:
+# integration/test_weight_gate_paths.py, tests/vllm/test_admission.py.
+GATED_TRANSFER_BACKENDS = ("ipc", "nccl", "nccl_m2n")
 
 
 def register_gated_models() -> None:
@@ -206,13 +186,12 @@ def register_gated_models() -> None:
 
 __all__ = [
     "GATED_ARCHITECTURES",
+    "GATED_TRANSFER_BACKENDS",
     "STATE",
-    "UNGATED_TRANSFER_BACKENDS",
     "Clearance",
     "GatedLoadWeights",
     "WeightSyncRefusedError",
     "grant",
-    "refuse_ungated_transfer_backends",
     "register_gated_models",
     "require_match",
     "revoke",
