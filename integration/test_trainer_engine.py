@@ -239,7 +239,7 @@ def test_canary_refuses_what_a_disabled_config_check_let_through(
     control of the check itself: with it on, that trainer's contract cannot even be built."""
     import shutil
 
-    from isoexec.megatron import contract_readback
+    from isoexec.megatron import readback as contract_readback
 
     model_dir = model_factory("tiny-dense", "float32")
     overridden = tmp_path / "overridden"

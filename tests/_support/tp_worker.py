@@ -126,7 +126,7 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
 
                 save_hf_checkpoint(model, job["save_checkpoint_like"], job["model"])
         if job.get("contract"):
-            from isoexec.megatron.contract_readback import trainer_contract
+            from isoexec.megatron.readback import trainer_contract
 
             out["contract"] = trainer_contract(model, job["model"]).to_bytes()
         if job.get("handshake"):
@@ -160,7 +160,7 @@ def offer_from_every_rank(model: torch.nn.Module, job: dict) -> dict:
     waits for the run's one verdict; `fault_rank` first narrows that rank's attention lanes in
     its last layer (a deliberately changed site on one rank only)."""
     from isoexec.handshake.client import HandshakeClient
-    from isoexec.megatron.contract_readback import trainer_contract
+    from isoexec.megatron.readback import trainer_contract
 
     rank = dist.get_rank()
     if job.get("fault_rank") == rank:

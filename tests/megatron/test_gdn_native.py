@@ -22,9 +22,9 @@ import torch
 
 from isoexec import ops
 from isoexec.contract.sites import model_sites
-from isoexec.megatron.contract_readback import read_sites, trainer_contract
 from isoexec.megatron.hf_config import _read_source, load_hf_config
 from isoexec.megatron.model_builder import build_model
+from isoexec.megatron.readback import read_sites, trainer_contract
 from isoexec.megatron.scoring import score, train_step
 from isoexec.megatron.weights import (
     export_hf_weights,

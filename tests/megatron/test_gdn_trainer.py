@@ -21,16 +21,16 @@ import torch
 from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.sites import model_sites
-from isoexec.megatron.canonical_gdn import ATTN_OUTPUT_GATE_IMPL
 from isoexec.megatron.canonical_modules import CanonicalSiteError, qkv_hf_row_order
-from isoexec.megatron.contract_readback import (
+from isoexec.megatron.gdn import ATTN_OUTPUT_GATE_IMPL
+from isoexec.megatron.hf_config import UnsupportedConfigError, _read_source, load_hf_config
+from isoexec.megatron.model_builder import build_model
+from isoexec.megatron.readback import (
     SiteNotInstalledError,
     read_sites,
     trainer_contract,
     verify_installed,
 )
-from isoexec.megatron.hf_config import UnsupportedConfigError, _read_source, load_hf_config
-from isoexec.megatron.model_builder import build_model
 from isoexec.megatron.scoring import score, train_step
 from isoexec.megatron.weights import export_hf_weights, load_hf_weights, read_hf_state_dict
 from isoexec.ops import _pointwise as pw

@@ -25,15 +25,15 @@ from isoexec.megatron.canonical_modules import (
     IsoRMSNorm,
     qkv_hf_row_order,
 )
-from isoexec.megatron.contract_readback import (
+from isoexec.megatron.hf_config import _read_source, load_hf_config
+from isoexec.megatron.model_builder import build_model
+from isoexec.megatron.readback import (
     SiteNotFoundError,
     SiteNotInstalledError,
     read_sites,
     trainer_contract,
     verify_installed,
 )
-from isoexec.megatron.hf_config import _read_source, load_hf_config
-from isoexec.megatron.model_builder import build_model
 from isoexec.megatron.scoring import score, train_step
 from isoexec.megatron.weights import load_hf_weights, read_hf_state_dict
 from tests._support.threads import num_threads

@@ -93,7 +93,7 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
     monkeypatch.setattr(torch.cuda, "set_device", calls["set_device"].append)
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(mrandom, "model_parallel_cuda_manual_seed", calls["seed"].append)
-    monkeypatch.setattr(cpu_shims, "_APPLIED", [])  # a fresh process: no shim applied yet
+    monkeypatch.setattr(cpu_shims, "_applied", lambda: [])  # a fresh process: no shim applied yet
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.setenv("LOCAL_RANK", "1")
     yield calls
@@ -124,7 +124,7 @@ def test_cuda_refusals_leave_nothing(
     match: str,
 ) -> None:
     monkeypatch.setenv("LOCAL_RANK", local_rank)
-    monkeypatch.setattr(cpu_shims, "_APPLIED", list(applied))
+    monkeypatch.setattr(cpu_shims, "_applied", lambda: list(applied))
     with pytest.raises(RuntimeError, match=match), megatron_parallel(device="cuda"):
         pass
     assert fake_cuda["init"] == [] and fake_cuda["set_device"] == []

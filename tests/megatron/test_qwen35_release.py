@@ -23,10 +23,10 @@ from safetensors.torch import load_file, save_file
 from isoexec import ops
 from isoexec.contract.architectures import UnsupportedModelError, text_config
 from isoexec.contract.sites import mlp_kinds, model_sites
-from isoexec.megatron.contract_readback import trainer_contract
 from isoexec.megatron.hf_checkpoint import INDEX_FILE, CheckpointMismatchError
 from isoexec.megatron.hf_config import UnsupportedConfigError, load_hf_config
 from isoexec.megatron.model_builder import build_model
+from isoexec.megatron.readback import trainer_contract
 from isoexec.megatron.scoring import score
 from isoexec.megatron.weights import (
     export_hf_weights,

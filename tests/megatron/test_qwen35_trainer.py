@@ -20,9 +20,9 @@ import torch
 
 from isoexec import ops
 from isoexec.contract.sites import model_sites
-from isoexec.megatron.contract_readback import trainer_contract
 from isoexec.megatron.hf_config import UnsupportedConfigError, _read_source, load_hf_config
 from isoexec.megatron.model_builder import build_model
+from isoexec.megatron.readback import trainer_contract
 from isoexec.megatron.scoring import score
 from isoexec.megatron.weights import export_hf_weights, load_hf_weights, read_hf_state_dict
 

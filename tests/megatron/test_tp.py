@@ -139,8 +139,8 @@ def test_triton_backend_row_parallel_site_runs_the_triton_leaves(
     pytest.importorskip("triton")
     from isoexec import ops
     from isoexec.contract.options import IsoExecOptions
-    from isoexec.megatron.contract_readback import trainer_contract
     from isoexec.megatron.model_builder import build_model
+    from isoexec.megatron.readback import trainer_contract
     from isoexec.ops.triton import get_triton_impl
 
     model = build_model(qwen3_dir, isoexec=True, options=IsoExecOptions(**TRITON_INV))

@@ -5,12 +5,6 @@ built, and CPU shims are applied only by `apply_cpu_shims()` / `megatron_paralle
 `megatron_parallel(device="cuda")` applies only the dependency shims, `apply_dependency_shims`).
 """
 
-from isoexec.megatron.contract_readback import (
-    SiteNotFoundError,
-    SiteNotInstalledError,
-    read_sites,
-    trainer_contract,
-)
 from isoexec.megatron.cpu_shims import applied_cpu_shims, apply_cpu_shims
 from isoexec.megatron.hf_checkpoint import CheckpointMismatchError
 from isoexec.megatron.hf_config import (
@@ -28,6 +22,12 @@ from isoexec.megatron.model_builder import (
 )
 from isoexec.megatron.offer import offer_contract
 from isoexec.megatron.parallel import ParallelInfo, megatron_parallel
+from isoexec.megatron.readback import (
+    SiteNotFoundError,
+    SiteNotInstalledError,
+    read_sites,
+    trainer_contract,
+)
 from isoexec.megatron.score_sampled import score_sampled
 from isoexec.megatron.scoring import (
     is_isoexec,

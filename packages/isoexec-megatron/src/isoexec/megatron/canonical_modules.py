@@ -28,8 +28,8 @@ Where Megatron's own structure and vLLM's differ, the rounding sequence of vLLM 
   w2 [E, H, I]; a (Qwen3-Next) sigmoid-gated shared expert goes into the same combine.
 
 The modules live per op, as on the engine: `canonical_base` (config, refusal error, site impls),
-`canonical_layers` (linears, norms, activation), `canonical_attention`, `canonical_moe`, and
-Qwen3-Next's GDN layer, gated norm and gated attention in `canonical_gdn`; this module holds
+`layers` (linears, norms, activation), `attention`, `moe`, and
+Qwen3-Next's GDN layer, gated norm and gated attention in `gdn`; this module holds
 the model (`IsoGPTModel`) and re-exports the rest.
 """
 
@@ -38,7 +38,7 @@ from __future__ import annotations
 from typing import Any
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.megatron.canonical_attention import (
+from isoexec.megatron.attention import (
     IsoCoreAttention,
     packed_positions,
 )
@@ -51,7 +51,7 @@ from isoexec.megatron.canonical_base import (
     site_impl,
     site_ops,
 )
-from isoexec.megatron.canonical_layers import (
+from isoexec.megatron.layers import (
     IsoColumnParallelLinear,
     IsoOutputLayer,
     IsoQKVLinear,
@@ -60,7 +60,7 @@ from isoexec.megatron.canonical_layers import (
     IsoSiluMul,
     qkv_hf_row_order,
 )
-from isoexec.megatron.canonical_moe import (
+from isoexec.megatron.moe import (
     IsoMoELayer,
     IsoSequentialMLP,
     IsoSharedExpertMLP,

@@ -25,7 +25,7 @@ LogprobsFn = Callable[[torch.nn.Module, list[torch.Tensor]], list[torch.Tensor]]
 
 
 def _moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from isoexec.megatron.canonical_moe import IsoMoELayer
+    from isoexec.megatron.moe import IsoMoELayer
 
     return [m for m in model.modules() if isinstance(m, IsoMoELayer)]
 

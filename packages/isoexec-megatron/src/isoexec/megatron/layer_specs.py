@@ -83,8 +83,8 @@ def native_submodules() -> Submodules:
 
 def isoexec_submodules() -> Submodules:
     """The canonical IsoExec modules (`isoexec.megatron.canonical_modules`) in every slot."""
-    from isoexec.megatron import canonical_gdn as gdn
     from isoexec.megatron import canonical_modules as cm
+    from isoexec.megatron import gdn
 
     return Submodules(
         norm=cm.IsoRMSNorm,
@@ -233,7 +233,7 @@ def _is_megatron_gdn(cls: type | None) -> bool:
 
 
 def _gdn_spec(arch: ModelArch, sub: Submodules) -> Any:
-    from isoexec.megatron.canonical_gdn import GDNSubmodules
+    from isoexec.megatron.gdn import GDNSubmodules
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     assert sub.linear_attention is not None and sub.gated_norm is not None

@@ -16,7 +16,7 @@ The GDN hybrids, Qwen3-Next and Qwen3.5 text: their linear-attention layers put 
 in the `self_attention` slot, their full-attention layers Megatron's `SelfAttention` with
 `attention_output_gate`; Qwen3-Next's MoE layers get a gated shared expert, Qwen3.5's layers a
 dense MLP; norms are zero-centred (`layernorm_zero_centered_gamma`). isoexec mode:
-`canonical_gdn.IsoGatedDeltaNet` and `IsoGatedSelfAttention`. Native mode: Megatron's own
+`gdn.IsoGatedDeltaNet` and `IsoGatedSelfAttention`. Native mode: Megatron's own
 `GatedDeltaNet` (fused `in_proj` [q | k | v | z | b | a], `conv1d`, `out_norm` with HF's plain
 gain, `out_proj`) and `SelfAttention`, stock; on a CPU it runs through three shims in
 `cpu_shims` (zero-centred torch RMSNorm for TE's, torch stand-ins for fla's `l2norm` and
@@ -205,7 +205,7 @@ def _check_tp(arch: ModelArch, tp: int) -> None:
     if arch.moe is not None and arch.moe.intermediate_size % tp:
         raise ValueError(f"tp={tp} does not divide moe_intermediate_size")
     if arch.gdn is not None and arch.gdn.num_key_heads % tp:
-        # A rank holds whole key-head groups with their value heads (canonical_gdn).
+        # A rank holds whole key-head groups with their value heads (gdn).
         raise ValueError(
             f"tp={tp} does not divide linear_num_key_heads={arch.gdn.num_key_heads} "
             "(GDN layers shard by key-head group)"
@@ -379,7 +379,7 @@ def build_model(
     model.isoexec_mode = isoexec
     model.isoexec_stage = stage  # the layers it holds (all of them at PP=1)
     if isoexec:
-        from isoexec.megatron.contract_readback import verify_installed
+        from isoexec.megatron.readback import verify_installed
 
         verify_installed(model)
     return model

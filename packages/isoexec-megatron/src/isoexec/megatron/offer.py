@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from isoexec.megatron.contract_readback import trainer_contract
+from isoexec.megatron.readback import trainer_contract
 
 if TYPE_CHECKING:
     from isoexec.handshake.tls import ClientTLS

@@ -442,7 +442,7 @@ def sum_qk_norm_grads_over_tp(model: torch.nn.Module) -> None:
     `q_layernorm`/`k_layernorm` over TP); `train_step` has no such loop and does it here. A
     training loop that calls Megatron's `finalize_model_grads` must not call this too. (The
     GDN output norm, also shared by heads, reduces its gradient in autograd instead:
-    `canonical_gdn.IsoGatedRMSNorm`, which `finalize_model_grads` does not know.)
+    `gdn.IsoGatedRMSNorm`, which `finalize_model_grads` does not know.)
     """
     from megatron.core import parallel_state as ps
 

@@ -10,7 +10,7 @@ rank holds its slice of *each* block:
 - a gated fc1 holds `[gate_r; up_r]` per rank, not a contiguous slice of `[gate; up]`;
 - a parameter that declares `isoexec_tp_blocks` (full block sizes along its partition dim):
   the canonical GDN layer's conv channels [q | k | v] and, in the flat (Qwen3.5) layout, its
-  projections [q | k | v | z] and [b | a] (`canonical_gdn`).
+  projections [q | k | v | z] and [b | a] (`gdn`).
 
 Experts are whole on every rank (`megatron_parallel()` sets expert TP = 1), so their
 parameters are replicated here; so is a shared expert (`IsoSharedExpertMLP` clears its

@@ -2,7 +2,7 @@
 
 `trace_trainer` installs the hooks, scores each sequence alone (so every row is that
 sequence's, at absolute position = index), and removes them; a model that is not being traced
-runs without any. Sites map to modules with `contract_readback`'s mapping, the one the
+runs without any. Sites map to modules with `readback`'s mapping, the one the
 contract uses. Rows are laid out as the engine lays them out (`isoexec.vllm.trace`), so equal
 maths gives equal digests:
 
@@ -31,9 +31,9 @@ import torch
 from isoexec.contract.architectures import text_config
 from isoexec.contract.sites import model_sites
 from isoexec.contract.trace import UNTRACED_SITES, Trace, first_tensor, rows_2d
-from isoexec.megatron.contract_readback import _LAYER_PATHS, _TOP_PATHS
 from isoexec.megatron.hf_config import HFConfigSource, _read_source
 from isoexec.megatron.patches import rope_calls_wrapped
+from isoexec.megatron.readback import _LAYER_PATHS, _TOP_PATHS
 
 SIDE = "trainer"
 
