@@ -27,6 +27,12 @@ def test_rope_calls_are_wrapped_only_inside_the_block() -> None:
         raise RuntimeError("boom")
     assert seen == list(originals)
     assert (ops.apply_rope, mattn.apply_rotary_pos_emb) == originals  # restored on error
+    with rope_calls_wrapped(wrap):  # a second trace inside the first is refused, the first kept
+        wrapped = ops.apply_rope
+        with pytest.raises(RuntimeError, match="already wrapped"), rope_calls_wrapped(wrap):
+            pass
+        assert ops.apply_rope is wrapped
+    assert (ops.apply_rope, mattn.apply_rotary_pos_emb) == originals
 
 
 def test_a_moved_megatron_function_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,11 @@ def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
         REGISTRY.set_attr(ops, "apply_rope", wrap(ops.apply_rope))
         REGISTRY.set_attr(mattn, "apply_rotary_pos_emb", wrap(mattn.apply_rotary_pos_emb))
 
+    # A nested trace: apply would be a no-op and its exit would undo the outer trace's wrapper.
+    if REGISTRY.is_applied("rope_calls_traced"):
+        raise PatchError(
+            "RoPE calls are already wrapped: one trainer trace at a time"
+        )  # undo theirs
     REGISTRY.apply("rope_calls_traced", write)
     try:
         yield
