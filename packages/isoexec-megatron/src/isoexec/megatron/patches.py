@@ -48,9 +48,7 @@ def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
 
     # A nested trace: apply would be a no-op and its exit would undo the outer trace's wrapper.
     if REGISTRY.is_applied("rope_calls_traced"):
-        raise PatchError(
-            "RoPE calls are already wrapped: one trainer trace at a time"
-        )  # undo theirs
+        raise PatchError("RoPE calls are already wrapped: one trainer trace at a time")
     REGISTRY.apply("rope_calls_traced", write)
     try:
         yield
