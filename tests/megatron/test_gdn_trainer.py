@@ -267,9 +267,7 @@ def test_gated_qkv_layout(parallel, gdn_dir: Path) -> None:
     fused = torch.cat([hf[a + "q_proj.weight"], hf[a + "k_proj.weight"], hf[a + "v_proj.weight"]])
     qkv = model.decoder.layers[3].self_attention.linear_qkv
     assert torch.equal(qkv.weight[qkv._hf_rows], fused)
-    assert type(model.decoder.layers[3].self_attention).isoexec_impls == {
-        "attn_output_gate": ATTN_OUTPUT_GATE_IMPL
-    }
+    assert model.decoder.layers[3].self_attention.isoexec_impl == ATTN_OUTPUT_GATE_IMPL
 
 
 # ------------------------------------------------------------------------------------------

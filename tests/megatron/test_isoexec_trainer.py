@@ -327,10 +327,11 @@ def test_a_model_cast_after_it_was_built_is_refused(parallel, qwen3_moe_dir: Pat
 def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same(
     parallel, qwen3_moe_dir: Path, monkeypatch
 ) -> None:
-    """A bf16 trainer's GEMM sites (linears, TP leaves) record the library for CPU bf16
-    (`gemm_library`), which is what the engine's lookup gives in the same place. The bf16 MoE
-    experts record the expert GEMM this CPU runs (moe_combine v5: AMX tiles where the CPU has
-    them, else the linear's blocks with the same library as the linears); the engine's lookup
+    """A bf16 trainer's GEMM sites (linears, TP leaves, the router's logits) record the library
+    for CPU bf16 (`gemm_library`), which is what the engine's lookup gives in the same place.
+    The bf16 MoE experts record the expert GEMM this CPU runs (moe_combine v5: AMX tiles where
+    the CPU has them, else the linear's blocks with the same library as the linears); the
+    engine's lookup
     gives the same impl."""
     from types import SimpleNamespace
 
@@ -342,7 +343,7 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
         build_model(qwen3_moe_dir, isoexec=True, dtype=torch.bfloat16), qwen3_moe_dir
     )
     gemm_sites = [s for s in c.sites if s.impl.op in ops.GEMM_DTYPES]
-    assert {s.impl.op for s in gemm_sites} == {"linear"}
+    assert {s.impl.op for s in gemm_sites} == {"linear", "moe_router"}  # router logits: a GEMM
     moe_sites = [s for s in c.sites if s.impl.op == "moe_combine"]
     assert moe_sites
     for s in moe_sites:
@@ -371,11 +372,11 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     )
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: engine)
     for s in gemm_sites + moe_sites:
-        assert backend.engine_impl(s.impl.op) == s.impl, s.name
-    assert backend.engine_impl("linear_tp") == o_proj
+        assert backend.engine_binding(s.impl.op).impl == s.impl, s.name
+    assert backend.engine_binding("linear_tp").impl == o_proj
     monkeypatch.setattr(vllm.config, "get_current_vllm_config_or_none", lambda: None)
     with pytest.raises(RuntimeError, match="outside a vLLM engine"):
-        backend.engine_impl("linear")
+        backend.engine_binding("linear")
 
 
 def test_contract_refusals(parallel, qwen3_dir: Path, qwen3_moe_dir: Path) -> None:

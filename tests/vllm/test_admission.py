@@ -214,3 +214,19 @@ def test_the_reliability_doc_shows_the_allow_lists() -> None:
     for ref in re.findall(r"`([\w/]+\.py)::(\w+)`", admission.allow_list_markdown()):
         src = (Path(__file__).resolve().parents[2] / ref[0]).read_text()
         assert re.search(rf"^def {ref[1]}\(", src, re.M), ref
+
+
+def test_verify_mode_needs_an_eager_engine(dense_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ISOEXEC_VERIFY_CALLS=1` checks calls from Python hooks, which a compiled graph skips:
+    a compiled engine in that mode is refused by name, an eager one passes."""
+    from isoexec.ops import call_verify
+
+    monkeypatch.setenv(call_verify.VERIFY_CALLS_ENV, "1")
+    try:
+        compiled = admission.refused_engine_settings(_vllm_config(dense_dir))
+        assert any("ISOEXEC_VERIFY_CALLS=1 in a compiled engine" in r for r in compiled), compiled
+        assert admission.refused_engine_settings(_vllm_config(dense_dir, enforce_eager=True)) == []
+    finally:
+        call_verify.remove_hooks()
+    monkeypatch.setenv(call_verify.VERIFY_CALLS_ENV, "0")
+    assert admission.refused_engine_settings(_vllm_config(dense_dir)) == []

@@ -196,8 +196,9 @@ _COMMON = (_pointwise.padded_length, _pointwise.pointwise)
 
 # Ops whose GEMMs are `gemm._block_gemm`, and the dtype those GEMMs run in (None: the site's
 # dtype; the TP leaves are fp32 whatever the model's). Their "gemm" parameter is the library.
+# The router's logits are `linear` in the model dtype on both sides, part of the router site.
 GEMM_DTYPES: MappingProxyType[str, torch.dtype | None] = MappingProxyType(
-    {"linear": None, "linear_tp": torch.float32}
+    {"linear": None, "linear_tp": torch.float32, "moe_router": None}
 )
 # Ops whose algorithm depends on the site's device and dtype, and the parameters that say
 # which runs there: `moe_combine`'s experts run the grouped kernel in fp32, AMX tiles in bf16

@@ -66,7 +66,7 @@ LORA_RANK = 16  # the engines' max_lora_rank with --lora (an adapter of rank 8 o
 # The canonical forward ops timed by the trainer's op profile.
 PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
                 "attention_varlen", "token_logprobs", "moe_combine", "moe_router",
-                "gdn_sequence", "gated_rms_norm")  # fmt: skip
+                "gdn_conv", "gdn_recurrence", "gated_rms_norm")  # fmt: skip
 # (import name, distribution to install), as `pair.SIDES`: the engine side, then the trainer's.
 ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
                ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
@@ -267,19 +267,22 @@ def bench_trainer(
                 t = time.perf_counter()
                 step(m)
                 times[arm].append(time.perf_counter() - t)
-        profile = op_profile(lambda: step(models["isoexec"]))
+        profile = op_profile(models["isoexec"], lambda: step(models["isoexec"]))
     return trainer_result(times, sum(len(s) - 1 for s in seqs), profile)
 
 
-def op_profile(fn: Callable[[], Any]) -> dict[str, float]:
-    """Seconds spent inside each canonical op during one call of `fn` (forward ops only), and
-    the whole call under `PROFILE_TOTAL`."""
-    from isoexec import ops
+def op_profile(model: Any, fn: Callable[[], Any]) -> dict[str, float]:
+    """Seconds spent inside each canonical op the sites of `model` call (through their
+    bindings, `isoexec.ops.binding.wrapped_calls`; forward ops only) during one call of `fn`,
+    and the whole call under `PROFILE_TOTAL`."""
+    from isoexec.ops.binding import wrapped_calls
 
     spent: dict[str, float] = defaultdict(float)
-    saved = {n: getattr(ops, n) for n in PROFILED_OPS if hasattr(ops, n)}
 
     def timed(name: str, f: Any) -> Any:
+        if name not in PROFILED_OPS:
+            return f
+
         @functools.wraps(f)
         def wrapper(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
@@ -290,15 +293,10 @@ def op_profile(fn: Callable[[], Any]) -> dict[str, float]:
 
         return wrapper
 
-    try:
-        for n, f in saved.items():
-            setattr(ops, n, timed(n, f))
+    with wrapped_calls(model, timed):
         t = time.perf_counter()
         fn()
         spent[PROFILE_TOTAL] = time.perf_counter() - t
-    finally:
-        for n, f in saved.items():
-            setattr(ops, n, f)
     return dict(spent)
 
 

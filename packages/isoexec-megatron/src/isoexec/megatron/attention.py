@@ -10,8 +10,8 @@ import torch
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_base import (
     CanonicalSiteError,
-    site_impl,
-    site_ops,
+    bind,
+    site_binding,
 )
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
@@ -70,11 +70,7 @@ class IsoCoreAttention(MegatronModule):
         if problems:
             raise CanonicalSiteError("canonical attention does not support: " + ", ".join(problems))
         # Any TP: heads are independent, and q/k/v arrive with this rank's heads only.
-        self.ops = site_ops(config)
-        self.isoexec_impls = {
-            "attention": site_impl(config, "attention"),
-            "rope": site_impl(config, "rope"),
-        }
+        bind(self, site_binding(config, "attention"), site_binding(config, "rope"))
         self.head_dim = int(config.kv_channels)
         rotary_dim = getattr(config, "isoexec_rotary_dim", None)
         self.rotary_dim = self.head_dim if rotary_dim is None else int(rotary_dim)

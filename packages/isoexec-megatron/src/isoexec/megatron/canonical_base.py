@@ -1,17 +1,17 @@
 """What every canonical trainer module shares: the refusal error, the config that carries the
 IsoExec choices (RoPE base, TP leaves, backend, logprobs mode) into the modules Megatron builds,
-and how a module finds the ops and the `ImplInfo` of its site (`canonical_modules` has the why)."""
+and how a module binds its site: one `SiteBinding` gives both the functions it calls and the
+`ImplInfo` it records (`isoexec.ops.binding`; `canonical_modules` has the why)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 
 from isoexec import ops
-from isoexec.contract.impl import ImplInfo
 from isoexec.contract.protocol import LM_HEAD_ROW_PADDING, SiteRefusedError
+from isoexec.ops.binding import Placement, SiteBinding, bind
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
@@ -48,24 +48,19 @@ def site_backend(config: TransformerConfig) -> str:
     return str(backend)
 
 
-def site_ops(config: TransformerConfig) -> ModuleType:
-    """The module whose functions a site calls: `ops` itself, or the Triton twin."""
-    return ops.backend_ops(site_backend(config))
-
-
-def site_device(config: TransformerConfig) -> str:
+def site_placement(config: TransformerConfig) -> Placement:
     """Where Megatron builds this config's parameters, hence where its GEMMs run: the CPU
-    under `use_cpu_initialization` (as `build_model` does), else the current CUDA device.
-    A model moved after it was built is refused when its contract is read back."""
-    return "cpu" if config.use_cpu_initialization else "cuda"
+    under `use_cpu_initialization` (as `build_model` does), else the current CUDA device; in
+    the config's `params_dtype`. A model moved after it was built is refused when its
+    contract is read back."""
+    device = "cpu" if config.use_cpu_initialization else "cuda"
+    return Placement(device, config.params_dtype)
 
 
-def site_impl(config: TransformerConfig, op: str, **params: object) -> ImplInfo:
-    """What a site of this config records for `op` (backend included; for a GEMM op, the
-    library for the device and dtype the config builds its parameters on and in)."""
-    return ops.get_backend_impl(
-        op, site_backend(config), device=site_device(config), dtype=config.params_dtype, **params
-    )
+def site_binding(config: TransformerConfig, op: str, **params: object) -> SiteBinding:
+    """The binding of a site of this config running `op` (`isoexec.ops.binding`): the
+    config's backend and placement, the record and the functions from the same fields."""
+    return SiteBinding(op, backend=site_backend(config), placement=site_placement(config), **params)
 
 
 def _tp_size(module: torch.nn.Module) -> int:
@@ -81,8 +76,8 @@ __all__ = [
     "LM_HEAD_ROW_PADDING",
     "CanonicalSiteError",
     "IsoTransformerConfig",
+    "bind",
     "site_backend",
-    "site_device",
-    "site_impl",
-    "site_ops",
+    "site_binding",
+    "site_placement",
 ]

@@ -47,9 +47,9 @@ from isoexec.megatron.canonical_base import (
     CanonicalSiteError,
     IsoTransformerConfig,
     _tp_size,
+    bind,
     site_backend,
-    site_impl,
-    site_ops,
+    site_binding,
 )
 from isoexec.megatron.layers import (
     IsoColumnParallelLinear,
@@ -74,17 +74,18 @@ class IsoGPTModel(GPTModel):
     """`GPTModel` whose output layer is `IsoOutputLayer` and whose scorer is canonical.
 
     Built with `position_embedding_type="none"` by `build_model`: RoPE is canonical inside the
-    core attention. `isoexec_impls["logprobs"]` is what `scoring.score` runs.
+    core attention. Its `isoexec_impl` (logprobs) is what `scoring.score` runs, through
+    `isoexec_ops`.
     """
 
-    isoexec_impls: dict[str, ImplInfo]
+    isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.isoexec_ops = site_ops(self.config)  # what scoring's logprobs run
         mode = getattr(self.config, "isoexec_logprobs_mode", "processed_logprobs")
         self.isoexec_logprobs_mode = mode  # raw_logprobs: scored at T=1 (scoring.py)
-        self.isoexec_impls = {"logprobs": site_impl(self.config, "logprobs", mode=mode)}
+        # what scoring's logprobs run (`isoexec_ops`) and record, from one binding
+        bind(self, site_binding(self.config, "logprobs", mode=mode), ops_attr="isoexec_ops")
         if self.position_embedding_type != "none":
             raise CanonicalSiteError(
                 "IsoGPTModel applies RoPE in the canonical core attention; build it with "
@@ -131,9 +132,9 @@ __all__ = [
     "IsoTopKRouter",
     "IsoTransformerConfig",
     "_tp_size",
+    "bind",
     "packed_positions",
     "qkv_hf_row_order",
     "site_backend",
-    "site_impl",
-    "site_ops",
+    "site_binding",
 ]

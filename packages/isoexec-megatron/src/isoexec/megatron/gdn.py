@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
@@ -36,10 +36,11 @@ from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_modules import (
     CanonicalSiteError,
-    site_impl,
-    site_ops,
+    bind,
+    site_binding,
 )
 from isoexec.megatron.hf_config import GDN_LAYOUTS
+from isoexec.ops.binding import SiteBinding
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 from megatron.core.transformer.attention import SelfAttention
@@ -98,8 +99,7 @@ class IsoGatedRMSNorm(torch.nn.Module):
         self.eps = float(eps)
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         self.tp_group = tp_group
-        self.ops = site_ops(config)
-        self.isoexec_impl = site_impl(config, "gated_rms_norm")
+        bind(self, site_binding(config, "gated_rms_norm"))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -158,11 +158,7 @@ class IsoGatedDeltaNet(MegatronModule):
         qkvz_layout: str = "interleaved",
     ) -> None:
         super().__init__(config=config)
-        self.ops = site_ops(config)
-        self.isoexec_impls = {
-            "gdn_conv": site_impl(config, "gdn_conv"),
-            "gdn_recurrence": site_impl(config, "gdn_recurrence"),
-        }
+        bind(self, site_binding(config, "gdn_conv"), site_binding(config, "gdn_recurrence"))
         problems = []
         if qkvz_layout not in GDN_LAYOUTS:
             problems.append(f"projection layout {qkvz_layout!r}")
@@ -347,15 +343,18 @@ class IsoGatedSelfAttention(SelfAttention):
     `x * sigmoid(gate.float())` and rounds once, a different result, with a length-dependent
     CPU sigmoid)."""
 
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {"attn_output_gate": ATTN_OUTPUT_GATE_IMPL}
+    isoexec_impl: ImplInfo
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
         if not config.attention_output_gate:
             raise CanonicalSiteError("IsoGatedSelfAttention needs config.attention_output_gate")
         super().__init__(config, *args, **kwargs)
+        # the gate has one implementation, torch's, on every backend (as on the engine)
+        gate = SiteBinding("attn_output_gate", impl=ATTN_OUTPUT_GATE_IMPL)
+        bind(self, gate, ops_attr="isoexec_ops")
 
     def _apply_output_gate(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        return attn_output_gate(x, gate.contiguous().view(*x.shape))
+        return self.isoexec_ops.attn_output_gate(x, gate.contiguous().view(*x.shape))
 
 
 __all__ = [

@@ -12,8 +12,8 @@ from isoexec.megatron.canonical_base import (
     LM_HEAD_ROW_PADDING,
     CanonicalSiteError,
     _tp_size,
-    site_impl,
-    site_ops,
+    bind,
+    site_binding,
 )
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
@@ -38,8 +38,7 @@ class IsoColumnParallelLinear(ColumnParallelLinear):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = site_ops(self.config)
-        self.isoexec_impl = site_impl(self.config, "linear")
+        bind(self, site_binding(self.config, "linear"))
 
     def _weight_for_gemm(self, weight: torch.Tensor) -> torch.Tensor:
         return weight
@@ -78,7 +77,7 @@ class IsoRowParallelLinear(RowParallelLinear):
     computes fp32 partial products of its G/TP fixed K-leaves, the leaves are all-gathered in
     rank order (an exact copy) and summed in `ops.tp_tree_sum`'s fixed tree, then rounded once:
     the same bits for TP=1, 2, 4, ... (any TP dividing G). The leaves run on the site's backend
-    (`site_ops`: the torch block GEMM or the Triton kernel, whose backward is the torch
+    (`site_binding`: the torch block GEMM or the Triton kernel, whose backward is the torch
     leaves'); the gather, tree and rounding are the same torch ops on both.
     """
 
@@ -86,8 +85,7 @@ class IsoRowParallelLinear(RowParallelLinear):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = site_ops(self.config)
-        self.isoexec_impl = site_impl(self.config, "linear")
+        bind(self, site_binding(self.config, "linear"))
         leaves = getattr(self.config, "isoexec_tp_leaves", None)
         self.tp_leaves: int | None = None if leaves is None else int(leaves)
         tp = _tp_size(self)
@@ -103,7 +101,7 @@ class IsoRowParallelLinear(RowParallelLinear):
                     f"linear_tp leaves={self.tp_leaves} do not split TP={tp} x K-shard "
                     f"{self.input_size_per_partition}"
                 )
-            self.isoexec_impl = site_impl(self.config, "linear_tp", leaves=self.tp_leaves)
+            bind(self, site_binding(self.config, "linear_tp", leaves=self.tp_leaves))
 
     def forward(self, input_: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         bias = self.bias if self.bias is not None and not self.skip_bias_add else None
@@ -232,8 +230,7 @@ class IsoRMSNorm(torch.nn.Module):
         self.zero_centered = bool(config.layernorm_zero_centered_gamma or zero_centered_gamma)
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        self.ops = site_ops(config)
-        self.isoexec_impl = site_impl(config, "rms_norm")
+        bind(self, site_binding(config, "rms_norm"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.ops.rms_norm(x, self.weight, self.eps, zero_centered=self.zero_centered)
@@ -251,8 +248,7 @@ class IsoSiluMul(torch.nn.Module):
         super().__init__()
         if not config.gated_linear_unit or config.activation_func is not torch.nn.functional.silu:
             raise CanonicalSiteError("canonical activation is SwiGLU (gated silu) only")
-        self.ops = site_ops(config)
-        self.isoexec_impl = site_impl(config, "silu_mul")
+        bind(self, site_binding(config, "silu_mul"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.ops.silu_mul(x)

@@ -33,7 +33,7 @@ from isoexec.contract.adapter import (
 )
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.contract.impl import ImplInfo
-from isoexec.megatron.canonical_base import CanonicalSiteError, _tp_size, site_impl
+from isoexec.megatron.canonical_base import CanonicalSiteError, _tp_size, site_binding
 from isoexec.ops import fold_scaling, lora_apply, pad_rank
 
 # PEFT module -> (Megatron module under decoder.layers.{i}, slice index within its output)
@@ -146,7 +146,7 @@ class TrainerLora:
                 continue
             site = _CONTRACT_SITE.get(".".join(parts[3:]))
             if site is not None and hasattr(module, "isoexec_impl"):
-                impl = site_impl(module.config, "lora", rank=self.rank)
+                impl = site_binding(module.config, "lora", rank=self.rank).impl
                 out[f"layers.{parts[2]}.{site}.lora"] = impl
         return out
 

@@ -70,7 +70,7 @@ def transformer_config(
 
     `device` is where Megatron builds the parameters: "cpu" (`use_cpu_initialization`) or
     "cuda" (the current CUDA device); the GEMM sites record their library for it
-    (`canonical_base.site_device`).
+    (`canonical_base.site_placement`).
 
     Fusions are off because they need CUDA/TE/apex and because IsoExec must know which kernel
     runs at each site. Dropout follows the HF config (0 for Qwen3), so scoring is deterministic.

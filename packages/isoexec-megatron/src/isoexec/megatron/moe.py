@@ -12,8 +12,8 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.megatron.canonical_base import (
     CanonicalSiteError,
     _tp_size,
-    site_impl,
-    site_ops,
+    bind,
+    site_binding,
 )
 from isoexec.megatron.expert_parallel import (
     ExpertBlocks,
@@ -56,8 +56,7 @@ class IsoTopKRouter(TopKRouter):
             raise CanonicalSiteError("canonical router does not support: " + ", ".join(problems))
         # transformer_config(): moe_router_pre_softmax = not norm_topk_prob.
         self.renormalize = not config.moe_router_pre_softmax
-        self.ops = site_ops(config)
-        self.isoexec_impl = site_impl(config, "moe_router")
+        bind(self, site_binding(config, "moe_router"))
 
     def forward(self, x: torch.Tensor, padding_mask: Any = None) -> Any:  # type: ignore[override]
         logits = self.ops.linear(x, self.weight)
@@ -81,8 +80,7 @@ class IsoSequentialMLP(SequentialMLP):
                 f"expert tensor parallelism {etp}: experts must be whole on every TP rank "
                 "(megatron_parallel() sets expert_tensor_parallel_size=1)"
             )
-        self.ops = site_ops(config)
-        self.isoexec_impl = site_impl(config, "moe_combine")
+        bind(self, site_binding(config, "moe_combine"))
 
     def stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 [E, 2I, H] = cat(gate, up), w2 [E, H, I]): Megatron's fc1/fc2 rows as is."""

@@ -17,7 +17,7 @@ from isoexec.contract.contract import BackendIdentity, Contract
 from isoexec.contract.impl import ImplInfo, declared_impl, installed_impl
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
-from isoexec.megatron.canonical_base import site_device
+from isoexec.megatron.canonical_base import site_placement
 from isoexec.megatron.hf_config import HFConfigSource, ModelArch, _read_source, load_hf_config
 from isoexec.megatron.pipeline import gather_over_pipeline, model_stage, stage_owns_site
 
@@ -219,7 +219,7 @@ def _check_gemm_placement(
 ) -> None:
     """Canonical sites whose implementation depends on placement (`ops.depends_on_placement`:
     a GEMM site's library, the MoE site's expert GEMM) recorded it for the device and dtype
-    the config builds on (`site_impl`); a model moved or cast since would carry wrong records:
+    the config builds on (`site_placement`); a model moved or cast since would carry wrong records:
     refused."""
     from isoexec.ops import depends_on_placement
 
@@ -227,7 +227,7 @@ def _check_gemm_placement(
     placed = (i for i in sites.values() if not i.is_native and depends_on_placement(i.op))
     if config is None or not any(placed):
         return
-    built = (site_device(config), _dtype_name(config.params_dtype))
+    built = (site_placement(config).device, _dtype_name(config.params_dtype))
     devices = sorted({p.device.type for p in model.parameters()})
     if devices not in ([], [built[0]]) or model_dtype != built[1]:
         raise ValueError(

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from isoexec import ops
+from isoexec.contract.impl import declared_impl
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
@@ -79,8 +80,8 @@ def token_logprobs(
 
 def is_isoexec(model: torch.nn.Module) -> bool:
     """True for a model built with canonical modules (it declares its logprobs op)."""
-    impls = getattr(model, "isoexec_impls", None) or {}
-    return bool(getattr(model, "isoexec_mode", False)) and "logprobs" in impls
+    declares = declared_impl(model, "logprobs") is not None
+    return bool(getattr(model, "isoexec_mode", False)) and declares
 
 
 def _full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,7 @@ def check_request(params: SamplingParams) -> None:
 
 def refused_engine_settings(vllm_config: Any) -> list[str]:
     """The engine settings that change the bits without the contract recording them."""
+    from isoexec.ops.call_verify import VERIFY_CALLS_ENV, verify_calls_enabled
     from isoexec.vllm.lora import refused_lora_settings
     from isoexec.vllm.weight_gate import GATED_TRANSFER_BACKENDS
 
@@ -153,6 +154,11 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
             f"weight_transfer_config backend {transfer.backend!r}: it writes parameters outside "
             "the model's load_weights, where the weight gate cannot require a MATCH (use "
             f"{', '.join(GATED_TRANSFER_BACKENDS)}, or isoexec_load_weights)"
+        )
+    if verify_calls_enabled() and not model.enforce_eager:
+        out.append(
+            f"{VERIFY_CALLS_ENV}=1 in a compiled engine: compiled graphs run the site calls "
+            "without Python, where they cannot be checked (add enforce_eager)"
         )
     if callable(model.hf_overrides):
         out.append("hf_overrides as a function: the contract cannot record what it changed")

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 
 from isoexec.contract.impl import ImplInfo
-from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.ops.binding import bind
+from isoexec.vllm.backend import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import paged_forward
 from vllm.v1.attention.backend import AttentionType
@@ -42,8 +43,7 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = engine_ops()
-        self.isoexec_impl = engine_impl("attention")
+        bind(self, engine_binding("attention"))
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")

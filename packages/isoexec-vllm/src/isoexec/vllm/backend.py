@@ -2,17 +2,16 @@
 
 The options travel as vLLM's `additional_config["isoexec"]` (its extension point for plugin
 settings), so they reach every worker process with the rest of vLLM's config. Sites read them
-when vLLM constructs them (vLLM's config is current then) and keep the ops module and the
-`ImplInfo` they bound: what a site records is what it calls.
+when vLLM constructs them (vLLM's config is current then) and keep one `SiteBinding` per op:
+what a site records and what it calls come from the same object.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
+from isoexec.ops.binding import Placement, SiteBinding
 from isoexec.vllm.compiled_ops import CompiledOps
 
 
@@ -25,21 +24,23 @@ def engine_options() -> IsoExecOptions:
     return IsoExecOptions.from_mapping(extra.get(VLLM_ADDITIONAL_CONFIG_KEY))
 
 
-def engine_ops() -> CompiledOps:
-    """The engine backend's ops (`isoexec.ops` or its Triton twin), with the calls
-    made inside vLLM's compiled model as opaque custom ops (`compiled_ops`)."""
-    return CompiledOps(engine_options().backend)
+def engine_binding(
+    op: str, *, backend: str | None = None, impl: ImplInfo | None = None, **params: object
+) -> SiteBinding:
+    """The binding of an engine site running `op` (`isoexec.ops.binding`): the engine's backend
+    (or `backend`, for an op only one backend has; `impl`, for an op outside the ops'
+    registry), its placement where the op's record
+    depends on it, and the backend's ops with the calls made inside vLLM's compiled model as
+    opaque custom ops (`compiled_ops`). Record and functions come from the same fields."""
+    backend = engine_options().backend if backend is None else backend
+    placement = engine_placement() if ops.depends_on_placement(op) else None
+    provider = CompiledOps(backend)
+    return SiteBinding(
+        op, backend=backend, placement=placement, provider=provider, impl=impl, **params
+    )
 
 
-def engine_impl(op: str, **params: object) -> ImplInfo:
-    """What a site running `op` on the engine's backend records (for a GEMM op, the library
-    for the device and dtype the engine builds its model on and in, `engine_placement`; for
-    an op whose algorithm depends on them, the one that runs there)."""
-    where = engine_placement() if ops.depends_on_placement(op) else {}
-    return ops.get_backend_impl(op, engine_options().backend, **where, **params)
-
-
-def engine_placement() -> dict[str, Any]:
+def engine_placement() -> Placement:
     """The device and dtype of the vLLM engine being built (vLLM builds the model there and
     never moves it). Refused outside one: a GEMM site's library would be a guess."""
     from vllm.config import get_current_vllm_config_or_none
@@ -50,7 +51,7 @@ def engine_placement() -> dict[str, Any]:
             "a canonical GEMM site built outside a vLLM engine's config: its device and dtype "
             "(hence its GEMM library) are unknown"
         )
-    return {"device": cfg.device_config.device_type, "dtype": cfg.model_config.dtype}
+    return Placement(cfg.device_config.device_type, cfg.model_config.dtype)
 
 
-__all__ = ["engine_impl", "engine_ops", "engine_options", "engine_placement"]
+__all__ = ["engine_binding", "engine_options", "engine_placement"]

@@ -32,8 +32,9 @@ import triton
 import triton.language as tl
 
 from isoexec.contract.impl import ImplInfo
+from isoexec.ops.binding import bind
 from isoexec.ops.triton._runtime import check_device, pow2
-from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.vllm.backend import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import cache_views, paged_forward
 from vllm.utils.torch_utils import is_quantized_kv_cache
@@ -161,8 +162,7 @@ class IsoTritonAttentionImpl(TritonAttentionImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = engine_ops()
-        self.isoexec_impl = engine_impl("attention")
+        bind(self, engine_binding("attention"))
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")

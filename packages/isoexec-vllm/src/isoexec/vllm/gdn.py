@@ -25,13 +25,14 @@ model code; `IsoQwen3NextAttention` does the same with the position-invariant si
 from __future__ import annotations
 
 import functools
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from isoexec import ops
-from isoexec.contract.impl import ImplInfo
-from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.contract.impl import ImplInfo, declared_impl
+from isoexec.ops.binding import bind
+from isoexec.vllm.backend import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
@@ -69,8 +70,8 @@ class IsoRMSNormGated(RMSNormGated):
     isoexec_impl: ImplInfo
 
     def dispatch_forward(self, compile_native: bool) -> Any:
-        self.ops = engine_ops()  # runs in CustomOp.__init__, while vLLM's config is current
-        self.isoexec_impl = engine_impl("gated_rms_norm")
+        # runs in CustomOp.__init__, while vLLM's config is current
+        bind(self, engine_binding("gated_rms_norm"))
         return self._canonical
 
     def _canonical(self, x: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
@@ -125,11 +126,7 @@ class IsoQwenGatedDeltaNetAttention(QwenGatedDeltaNetAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = engine_ops()
-        self.isoexec_impls = {
-            "gdn_conv": engine_impl("gdn_conv"),
-            "gdn_recurrence": engine_impl("gdn_recurrence"),
-        }
+        bind(self, engine_binding("gdn_conv"), engine_binding("gdn_recurrence"))
         # The stock forward is bound per platform in the constructor; replace the binding.
         self._forward_method = self._canonical_forward
         problems = []
@@ -255,12 +252,14 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
     registered out of tree); only the inline `attn_output * torch.sigmoid(gate)` is not.
     """
 
-    isoexec_impls: ClassVar[dict[str, ImplInfo]] = {"attn_output_gate": ATTN_OUTPUT_GATE_IMPL}
+    isoexec_impl: ImplInfo
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._take_unfused_path()
-        self.isoexec_ops = engine_ops()
+        # the gate has one implementation, torch's, on every backend (as on the trainer)
+        gate = engine_binding("attn_output_gate", backend="torch", impl=ATTN_OUTPUT_GATE_IMPL)
+        bind(self, gate, ops_attr="isoexec_ops")
 
     def _take_unfused_path(self) -> None:
         """vLLM turns on its fused q/k-norm + RoPE + gate kernel on CUDA/XPU in bf16/fp16; its
@@ -306,8 +305,7 @@ def worker_output_gates(worker: Any) -> dict[str, str]:
     out = {}
     for name, module in worker.model_runner.model.named_modules():
         if isinstance(module, Qwen3NextAttention):
-            impls = getattr(module, "isoexec_impls", {})
-            impl = impls.get("attn_output_gate") or ImplInfo.native(
+            impl = declared_impl(module, "attn_output_gate") or ImplInfo.native(
                 "attn_output_gate", type(module).__name__
             )
             out[name.removeprefix("model.")] = impl.impl_id

@@ -8,15 +8,15 @@ is read back from those attributes, never from intentions.
 
 from __future__ import annotations
 
-from types import ModuleType
 from typing import Any, ClassVar
 
 import torch
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.protocol import SiteRefusedError
+from isoexec.ops.binding import SiteOps, bind
 from isoexec.ops.gemm import clear_packed_weight_cache
-from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
+from isoexec.vllm.backend import engine_binding, engine_options
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm
@@ -47,11 +47,10 @@ class _BoundSite:
 
     isoexec_op: ClassVar[str]
     isoexec_impl: ImplInfo
-    ops: ModuleType
+    ops: SiteOps
 
     def _bind(self) -> None:
-        self.ops = engine_ops()
-        self.isoexec_impl = engine_impl(self.isoexec_op)
+        bind(self, engine_binding(self.isoexec_op))
 
 
 class IsoRMSNorm(_BoundSite, RMSNorm):
@@ -125,8 +124,7 @@ class CanonicalLinearMethod(UnquantizedLinearMethod):
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = engine_ops()
-        self.isoexec_impl = engine_impl(self.isoexec_op)
+        bind(self, engine_binding(self.isoexec_op))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         clear_packed_weight_cache()  # vLLM wrote the weight through `.data`
@@ -183,11 +181,13 @@ class CanonicalLMHeadMethod(UnquantizedEmbeddingMethod):
     """Embedding lookup stays exact; the logits GEMM (`apply`) is the canonical linear."""
 
     isoexec_impl: ImplInfo
+    # `apply` runs from vLLM's logits processor, not from the embedding's (or LM head's)
+    # forward: verify mode checks its calls against this record only (`call_verify`).
+    isoexec_outside_forward = True
 
     def __init__(self) -> None:
         super().__init__()
-        self.ops = engine_ops()
-        self.isoexec_impl = engine_impl("linear")
+        bind(self, engine_binding("linear"))
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         clear_packed_weight_cache()  # vLLM wrote the weight through `.data`

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from isoexec.contract.protocol import SiteRefusedError
+from isoexec.ops.binding import SiteBinding, SiteOps
 from isoexec.vllm.compiled_ops import CompiledOps
 from vllm.lora.punica_wrapper.punica_cpu import PunicaWrapperCPU
 
@@ -55,7 +56,9 @@ class IsoPunicaWrapper(PunicaWrapperCPU):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.isoexec_ops = CompiledOps("torch")
+        # the canonical LoRA op is torch's on every backend (`ops.TORCH_ONLY`); the contract's
+        # LoRA sites are recorded by the layers (`engine_contract`), not by this wrapper
+        self.isoexec_ops = SiteOps([SiteBinding("lora", provider=CompiledOps("torch"))])
 
     def add_lora_linear(
         self,

@@ -23,8 +23,9 @@ from typing import Any
 import torch
 
 from isoexec.contract.impl import ImplInfo
+from isoexec.ops.binding import SiteBinding, SiteOps, bind
 from isoexec.ops.gemm import clear_packed_weight_cache
-from isoexec.vllm.backend import engine_impl, engine_ops
+from isoexec.vllm.backend import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError, _with_canonical_linear
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -45,7 +46,8 @@ class IsoUnquantizedFusedMoEMethod(UnquantizedFusedMoEMethod):
 
         refuse_lora_on_experts()  # before vLLM's LoRA manager wraps this layer
         super().__init__(*args, **kwargs)
-        self.isoexec_impl = engine_impl("moe_combine")
+        self.binding: SiteBinding = engine_binding("moe_combine")
+        bind(self, self.binding)
 
     def maybe_roundup_sizes(
         self,
@@ -78,9 +80,13 @@ class IsoMoERunner(MoERunner):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = engine_ops()
-        self._router_impl = engine_impl("moe_router")
         self._check_supported()
+        # The runner calls the router's ops and the experts' combine: the router binding is
+        # its own, the combine binding its experts' method's (whose record the contract reads).
+        router = engine_binding("moe_router")
+        router.owner = self
+        self._router_impl = router.impl
+        self.ops = SiteOps([router, self.routed_experts.quant_method.binding])
 
     def _check_supported(self) -> None:
         experts, cfg = self.routed_experts, self.moe_config

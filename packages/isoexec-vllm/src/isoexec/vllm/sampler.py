@@ -20,7 +20,8 @@ from isoexec import ops
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS
-from isoexec.vllm.backend import engine_impl, engine_ops, engine_options
+from isoexec.ops.binding import bind
+from isoexec.vllm.backend import engine_binding, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.patches import V2_RUNNER_ENV, rebind_sampler
 from vllm.v1.sample.sampler import Sampler
@@ -67,7 +68,6 @@ class IsoSampler(Sampler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.ops = engine_ops()
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise UnsupportedSiteError(
                 f"IsoExec returns logprobs ({', '.join(LOGPROBS_MODES)}); the engine was "
@@ -79,7 +79,7 @@ class IsoSampler(Sampler):
                 f"the engine was started with logprobs_mode={self.logprobs_mode!r} but its "
                 f"IsoExec options say {wanted!r}: set both (the trainer takes the options)"
             )
-        self.isoexec_impl = engine_impl("logprobs", mode=self.logprobs_mode)
+        bind(self, engine_binding("logprobs", mode=self.logprobs_mode))
         # vLLM's own processed logprobs would be computed and thrown away (`sample` returns
         # the canonical ones): its top-k/top-p sampler is told not to compute them. Set on the
         # built sampler, not by building one for another mode: its constructor picks the

@@ -152,6 +152,14 @@ class IsoWorkerExtension:
         base = WeightFingerprint.of(hf_named_weights(self.model_runner.model, hf)).digest
         return served_weights_fingerprint(base, None if adapter is None else LOADED[adapter])
 
+    def isoexec_verified_calls(self) -> dict[str, Any]:
+        """Whether this worker checks its site calls (`ISOEXEC_VERIFY_CALLS=1`), and the calls
+        it checked so far by `op:impl_id` (`isoexec.ops.call_verify`)."""
+        from isoexec.ops import call_verify
+
+        enabled = call_verify.verify_calls_enabled()
+        return {"enabled": enabled, "calls": call_verify.verified_calls()}
+
     # ---- per-site tracing (`isoexec locate`) -------------------------------------------------
     def isoexec_trace_start(self, store_values: bool = True) -> None:
         """Install per-site recording hooks (see `isoexec.vllm.trace`); off until called."""
