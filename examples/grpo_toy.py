@@ -44,6 +44,31 @@ CLIP = 0.2
 
 
 @dataclass(frozen=True)
+class GRPORun:
+    """One run's settings, built once (from the command line or by a caller) and read by the
+    loop: which arm, how long, how large a batch, where files go."""
+
+    arm: str = "isoexec"  # "isoexec" or "stock" (both sides stock)
+    steps: int = 8
+    out: Path = Path("runs/grpo")
+    prompts: int = 4
+    group: int = 4  # completions per prompt (GRPO's group)
+    max_tokens: int = 8
+    lr: float = 2e-2
+    seed: int = 1  # the engine's sampling seed
+
+    def __post_init__(self) -> None:
+        if self.arm not in ("isoexec", "stock"):
+            raise ValueError(f"arm {self.arm!r}: 'isoexec' or 'stock'")
+        if min(self.steps, self.prompts, self.group, self.max_tokens) < 1:
+            raise ValueError("steps, prompts, group and max_tokens must be at least 1")
+
+    @property
+    def isoexec(self) -> bool:
+        return self.arm == "isoexec"
+
+
+@dataclass(frozen=True)
 class StepLog:
     step: int
     mean_reward: float
@@ -56,8 +81,8 @@ def reward(tokens: list[int], vocab: int) -> float:
     return sum(t < vocab // 8 for t in tokens) / len(tokens)
 
 
-def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) -> list[StepLog]:
-    isoexec = arm == "isoexec"
+def run(settings: GRPORun) -> list[StepLog]:
+    isoexec, out, prompts, group = settings.isoexec, settings.out, settings.prompts, settings.group
     model_dir = make_tiny_model("tiny-dense", out / "model", seed=3)
     hf = json.loads((model_dir / "config.json").read_text())
     vocab = int(hf["vocab_size"])
@@ -68,10 +93,12 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
     engine = None
     with megatron_parallel(), HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
         try:
-            engine = EngineProcess(EngineConfig(model=str(model_dir), isoexec=isoexec, seed=1))
+            engine = EngineProcess(
+                EngineConfig(model=str(model_dir), isoexec=isoexec, seed=settings.seed)
+            )
             model = build_model(str(model_dir), isoexec=isoexec)
             load_hf_weights(model, str(model_dir))
-            opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+            opt = torch.optim.AdamW(model.parameters(), lr=settings.lr)
             if isoexec:  # both sides offer at once: the trainer here, the engine's workers there
                 addr = server.address
                 tv, evs = _both(lambda: offer_contract(model, hf, addr, token, "grpo"),
@@ -79,9 +106,10 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
                 tv.raise_for_mismatch()
                 assert all(v["outcome"] == "MATCH" for v in evs), evs
                 _canary(model, engine, server.address, token, version=0)
-            for step in range(steps):
+            sampling = SamplingSpec(max_tokens=settings.max_tokens, temperature=1.0)
+            for step in range(settings.steps):
                 batch = [p for p in base for _ in range(group)]
-                comps = engine.generate(batch, SamplingSpec(max_tokens=8, temperature=1.0))
+                comps = engine.generate(batch, sampling)
                 rewards = torch.tensor([reward(c.token_ids, vocab) for c in comps])
                 grouped = rewards.view(prompts, group)
                 adv = (
@@ -116,7 +144,7 @@ def run(arm: str, steps: int, out: Path, *, prompts: int = 4, group: int = 4) ->
                 else:  # stock vLLM has no gate: restart it on the new checkpoint
                     engine.close()
                     engine = EngineProcess(
-                        EngineConfig(model=str(_checkpoint(model_dir, path)), seed=1)
+                        EngineConfig(model=str(_checkpoint(model_dir, path)), seed=settings.seed)
                     )
         finally:
             if engine is not None:
@@ -171,7 +199,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="grpo-"))
     out.mkdir(parents=True, exist_ok=True)
-    logs = run(args.arm, args.steps, out)
+    logs = run(GRPORun(arm=args.arm, steps=args.steps, out=out))
     (out / "grpo_log.json").write_text(json.dumps([asdict(x) for x in logs], indent=2))
 
 

@@ -24,13 +24,15 @@ def _example() -> ModuleType:
 
 
 def test_grpo_isoexec_ratio_is_exactly_one_every_step(tmp_path: Path) -> None:
-    logs = _example().run("isoexec", 3, tmp_path)
+    ex = _example()
+    logs = ex.run(ex.GRPORun(arm="isoexec", steps=3, out=tmp_path))
     assert [log.step for log in logs] == [0, 1, 2]
     assert all(log.ratio_exactly_one and log.ratio_max_dev == 0.0 for log in logs), logs
     assert all(log.tokens > 0 for log in logs)
 
 
 def test_grpo_stock_arm_ratio_spreads(tmp_path: Path) -> None:
-    (log,) = _example().run("stock", 1, tmp_path)
+    ex = _example()
+    (log,) = ex.run(ex.GRPORun(arm="stock", steps=1, out=tmp_path))
     print("stock arm ratio spread:", log.ratio_max_dev)
     assert not log.ratio_exactly_one and 0.0 < log.ratio_max_dev < 1e-2

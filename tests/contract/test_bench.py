@@ -87,6 +87,35 @@ def test_resolve_dtype() -> None:
         bench.resolve_dtype("gdn", "float32")
 
 
+def test_one_settings_object_for_the_run_the_report_and_the_cli(tmp_path: Path) -> None:
+    """`BenchRun` is built once from the CLI's arguments and read by the measurements and the
+    report: its `settings()` is the report's section, validated when built."""
+    run = bench.BenchRun.from_args(parse("--family", "gdn", "--size", "tiny", "--out", "d"))
+    assert (run.dtype, run.modes, run.trainer, run.out) == (
+        "bfloat16",
+        ("default",),
+        True,
+        Path("d"),
+    )
+    assert run.settings() == {
+        "family": "gdn", "size": "tiny", "dtype": "bfloat16", "reps": 3, "mode": "default",
+        "modes": ["default"], "trainer": True, "prompt_len": 32, "lora": False,
+        **bench.SIZES["tiny"],
+    }  # fmt: skip
+    assert run.engine_log("isoexec", "eager") == str(Path("d") / "engine-isoexec-eager.log")
+    assert bench.BenchRun(verbose=True).engine_log("native", "default") is None
+    assert bench.BenchRun(lora=True).trainer is False  # the adapter is timed on the engine
+    for kwargs, message in [
+        ({"size": "huge"}, "unknown size 'huge'"),
+        ({"mode": "graph"}, "unknown mode 'graph'"),
+        ({"reps": 0}, "--reps 0: at least 1"),
+        ({"family": "moe", "lora": True}, "--lora runs on the dense family only"),
+        ({"family": "gdn", "dtype": "float32"}, "runs in bfloat16 only"),
+    ]:
+        with pytest.raises(bench.BenchSetupError, match=message):
+            bench.BenchRun(**kwargs)
+
+
 def test_missing_sides_trainer_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without Megatron, `--no-trainer` still runs; without vLLM nothing does."""
     real = importlib.util.find_spec

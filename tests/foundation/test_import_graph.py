@@ -51,7 +51,7 @@ def test_the_layout_command_prints_the_graph_and_passes() -> None:
 def test_negative_controls_each_bad_import_is_flagged(tmp_path: Path) -> None:
     bad = [
         Edge("isoexec.contract.sites", "isoexec.ops.gemm", 3),  # up
-        Edge("isoexec.megatron.scoring", "isoexec.vllm.sampler", 4),  # across sides
+        Edge("isoexec.megatron.scoring", "isoexec.vllm.logprobs", 4),  # across sides
         Edge("isoexec.ops.gemm", "vllm", 5),  # a framework below the sides
         Edge("isoexec.vllm.layers", "megatron", 6),  # the other side's framework
     ]

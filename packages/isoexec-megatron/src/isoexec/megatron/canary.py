@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from isoexec.contract.canary import canary_probe
-from isoexec.megatron.scoring import _vocab_size, score
+from isoexec.megatron.logprobs import vocab_size
+from isoexec.megatron.scoring import score
 
 if TYPE_CHECKING:
     from isoexec.handshake.canary_board import CanaryVerdict
@@ -23,7 +24,7 @@ TRAINER_SIDE = "trainer"
 def canary_logprobs(model: torch.nn.Module, run_id: str) -> list[float]:
     """The T=1 logprobs of probe tokens 1..n-1 under the model's live weights (as the engine's
     prompt logprobs of the same probe)."""
-    probe = canary_probe(run_id, _vocab_size(model))
+    probe = canary_probe(run_id, vocab_size(model))
     (lp,) = score(model, [probe], temperature=1.0)
     return [float(v) for v in lp.float()]
 

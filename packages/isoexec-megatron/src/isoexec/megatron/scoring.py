@@ -10,7 +10,8 @@ sequence of token ids t_0..t_{n-1} it returns log p(t_{i+1} | t_0..t_i) for i = 
   micro-batches (`max_tokens`) and padded (`pad_to_multiple`, an extra dummy sequence). Every
   op is row-invariant, so a sequence's logprobs are bitwise independent of packing, padding
   and split. Logits are the canonical lm head on every row; logprobs are
-  `ops.token_logprobs(logits, next_ids, temperature=T)`, the engine sampler's op.
+  `ops.token_logprobs(logits, next_ids, temperature=T)`, the engine sampler's op, through
+  the model's logprobs binding (`logprobs.site_logprobs`).
 - native model: one forward per sequence with batch size 1 (Megatron's local
   `DotProductAttention` and its `GatedDeltaNet` refuse packed sequences); fp32 log-softmax +
   gather.
@@ -28,11 +29,16 @@ from typing import Any
 
 import torch
 
-from isoexec import ops
-from isoexec.contract.impl import declared_impl
-from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
+from isoexec.megatron.logprobs import (
+    effective_temperature,
+    full_vocab,
+    is_isoexec,
+    site_logprobs,
+    token_logprobs,
+    vocab_size,
+)
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
 
 TokenSeq = Sequence[int] | torch.Tensor
@@ -49,53 +55,6 @@ def _as_ids(seq: TokenSeq, vocab_size: int) -> torch.Tensor:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"token id out of range [0, {vocab_size}): {ids.tolist()}")
     return ids.to(torch.int64)
-
-
-def _vocab_size(model: torch.nn.Module) -> int:
-    vocab = getattr(model, "vocab_size", None)
-    if not isinstance(vocab, int):
-        raise TypeError("expected a Megatron GPTModel (with .vocab_size)")
-    return vocab
-
-
-def _effective_temperature(temperature: float, model: torch.nn.Module | None = None) -> float:
-    """The temperature the logprobs are taken at: greedy (below vLLM's epsilon) is T=1, and a
-    model scoring `raw_logprobs` (`IsoExecOptions.logprobs_mode`) takes every one at T=1, as
-    an engine in that mode returns them."""
-    t = float(temperature)
-    if not t >= 0.0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
-        return 1.0
-    return 1.0 if t < SAMPLING_EPS else t
-
-
-def token_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """log p(ids[i+1] | ≤ i) from logits [n, vocab] of positions 0..n-1: fp32 log_softmax of
-    `logits / T` + gather. Reduces over the contiguous last dim (row-invariant on CPU)."""
-    return ops.token_logprobs(logits[:-1], ids[1:], temperature=temperature)
-
-
-def is_isoexec(model: torch.nn.Module) -> bool:
-    """True for a model built with canonical modules (it declares its logprobs op)."""
-    declares = declared_impl(model, "logprobs") is not None
-    return bool(getattr(model, "isoexec_mode", False)) and declares
-
-
-def _full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
-    """Logits over the whole vocab. The isoexec output layer gathers them itself; a native
-    Megatron model at TP>1 returns this rank's vocab slice (`parallel_output`), gathered here
-    (an exact concatenation)."""
-    if logits.shape[-1] == _vocab_size(model):
-        return logits
-    from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
-
-    full = gather_from_tensor_model_parallel_region(logits)
-    if full.shape[-1] != _vocab_size(model):
-        raise RuntimeError(f"logits cover {full.shape[-1]} of {_vocab_size(model)} vocab ids")
-    return full
 
 
 def _model_is_moe(model: torch.nn.Module) -> bool:
@@ -137,7 +96,7 @@ def _forward_logprobs(
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
 
     def logprobs(logits: torch.Tensor) -> torch.Tensor:  # [1, n, V]
-        return token_logprobs(_full_vocab(model, logits)[0], input_ids[0], temperature)
+        return token_logprobs(full_vocab(model, logits)[0], input_ids[0], temperature)
 
     if not _pipelined(model):
         return logprobs(model(**inputs))
@@ -219,9 +178,7 @@ def _pack_logprobs(
     model: torch.nn.Module, pack: _Pack, logits: torch.Tensor, temperature: float
 ) -> list[torch.Tensor]:
     """Per sequence fp32 [n-1] logprobs from the pack's [1, T, vocab(/TP)] logits."""
-    lp = model.isoexec_ops.token_logprobs(  # the backend the model's sites run
-        _full_vocab(model, logits)[0][pack.rows], pack.nxt, temperature=temperature
-    )
+    lp = site_logprobs(model, full_vocab(model, logits)[0][pack.rows], pack.nxt, temperature)
     return list(lp.split([n - 1 for n in pack.lens]))
 
 
@@ -293,9 +250,9 @@ def score(
     below vLLM's sampling epsilon is greedy, scored at T=1 like the engine does. The native
     path scores one sequence per forward and refuses the packing options.
     """
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
-    t = _effective_temperature(temperature, model)
+    t = effective_temperature(temperature, model)
     iso = is_isoexec(model)
     if not iso and (max_tokens is not None or pad_to_multiple is not None):
         raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
@@ -347,7 +304,7 @@ def train_step(
 
     parallel = ps.model_parallel_is_initialized()
     dp = ps.get_data_parallel_world_size() if parallel else 1
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
     total = sum(ids.numel() - 1 for ids in all_ids)
     if total == 0:
@@ -478,9 +435,9 @@ def policy_logprobs(
     isoexec models: one packed forward through the canonical ops (the same bits as `score`);
     native models: one sequence per forward, Megatron's own path.
     """
-    vocab = _vocab_size(model)
+    vocab = vocab_size(model)
     ids = [_as_ids(s, vocab) for s in sequences]
-    temperature = _effective_temperature(temperature, model)
+    temperature = effective_temperature(temperature, model)
     if is_isoexec(model):
         return packed_logprobs(model, ids, temperature)
     return [_forward_logprobs(model, i, temperature) for i in ids]

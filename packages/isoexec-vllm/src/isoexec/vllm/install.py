@@ -26,6 +26,7 @@ def install_plugin() -> None:
     from isoexec.vllm.cuda_attention import register_cuda_attention
     from isoexec.vllm.gdn import register_gdn
     from isoexec.vllm.layers import register_layers
+    from isoexec.vllm.logprobs import install_sampler
     from isoexec.vllm.lora import PUNICA_WRAPPER
     from isoexec.vllm.moe import register_moe
     from isoexec.vllm.patches import (
@@ -34,7 +35,6 @@ def install_plugin() -> None:
         select_punica_wrapper,
     )
     from isoexec.vllm.qwen3_5 import register_qwen3_5
-    from isoexec.vllm.sampler import install_sampler
     from isoexec.vllm.served_handshake import offer_when_loaded
     from isoexec.vllm.weight_gate import (
         on_first_load,

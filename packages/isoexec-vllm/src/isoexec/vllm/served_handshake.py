@@ -37,7 +37,7 @@ def served_handshake(vllm_config: Any) -> ServedHandshake | None:
 def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thread | None:
     """Start this worker's offer (if the engine was given a handshake); returns its thread."""
     from isoexec.vllm.engine_contract import worker_contract
-    from isoexec.vllm.sampler import built_sampler
+    from isoexec.vllm.logprobs import built_sampler
     from vllm.distributed import get_tensor_model_parallel_rank
 
     settings = served_handshake(vllm_config)

