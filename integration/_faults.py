@@ -10,15 +10,13 @@ FAULT_LANES = 8  # the canonical attention's default is ops.attention.DEFAULT_LA
 
 
 class _NarrowLaneAttention:
-    """A changed kernel: canonical attention with another lane count than the default."""
+    """A changed kernel: canonical attention with another lane count than the default, called
+    past the site's binding (`isoexec.ops` directly)."""
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor):
         from isoexec.megatron.canonical_modules import packed_positions
 
-        pos = packed_positions(cu, q.shape[0]).to(q.device)
-        cos, sin = ops.rope_cos_sin(pos, self.head_dim, self.rope_theta)  # type: ignore[attr-defined]
-        q = ops.apply_rope(q, cos, sin, self.head_dim)  # type: ignore[attr-defined]
-        k = ops.apply_rope(k, cos, sin, self.head_dim)  # type: ignore[attr-defined]
+        q, k = self.rotary(packed_positions(cu, q.shape[0]).to(q.device), q, k)  # type: ignore[attr-defined]
         return ops.attention_varlen(q, k, v, cu, scale=self.scale, lanes=FAULT_LANES)  # type: ignore[attr-defined]
 
 
@@ -27,7 +25,4 @@ def narrow_attention_lanes(core: torch.nn.Module) -> None:
     read-back looks) `FAULT_LANES` accumulator lanes."""
     assert FAULT_LANES != ops.attention.DEFAULT_LANES
     core.__class__ = type("NarrowLaneIsoCoreAttention", (_NarrowLaneAttention, type(core)), {})
-    core.isoexec_impls = {
-        "attention": ops.get_impl("attention", lanes=FAULT_LANES),
-        "rope": ops.get_impl("rope"),
-    }
+    core.isoexec_impl = ops.get_impl("attention", lanes=FAULT_LANES)

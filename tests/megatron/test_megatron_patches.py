@@ -9,12 +9,14 @@ import pytest
 
 
 def test_rope_calls_are_wrapped_only_inside_the_block() -> None:
+    """A native model's RoPE function is wrapped for a trace and restored after (also on
+    error); IsoExec's own RoPE is a module and is never rebound."""
     import megatron.core.transformer.attention as mattn
 
     from isoexec import ops
     from isoexec.megatron.patches import rope_calls_wrapped
 
-    originals = (ops.apply_rope, mattn.apply_rotary_pos_emb)
+    original, canonical = mattn.apply_rotary_pos_emb, ops.apply_rope
     seen: list[Callable[..., Any]] = []
 
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -22,17 +24,17 @@ def test_rope_calls_are_wrapped_only_inside_the_block() -> None:
         return lambda *a, **k: fn(*a, **k)
 
     with pytest.raises(RuntimeError, match="boom"), rope_calls_wrapped(wrap):
-        assert ops.apply_rope is not originals[0]
-        assert mattn.apply_rotary_pos_emb is not originals[1]
+        assert mattn.apply_rotary_pos_emb is not original
+        assert ops.apply_rope is canonical
         raise RuntimeError("boom")
-    assert seen == list(originals)
-    assert (ops.apply_rope, mattn.apply_rotary_pos_emb) == originals  # restored on error
+    assert seen == [original]
+    assert mattn.apply_rotary_pos_emb is original  # restored on error
     with rope_calls_wrapped(wrap):  # a second trace inside the first is refused, the first kept
-        wrapped = ops.apply_rope
+        wrapped = mattn.apply_rotary_pos_emb
         with pytest.raises(RuntimeError, match="already wrapped"), rope_calls_wrapped(wrap):
             pass
-        assert ops.apply_rope is wrapped
-    assert (ops.apply_rope, mattn.apply_rotary_pos_emb) == originals
+        assert mattn.apply_rotary_pos_emb is wrapped
+    assert mattn.apply_rotary_pos_emb is original
 
 
 def test_a_moved_megatron_function_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:

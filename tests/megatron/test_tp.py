@@ -160,9 +160,11 @@ def test_triton_backend_row_parallel_site_runs_the_triton_leaves(
         calls.append(kwargs)
         return ops.linear_tp_shard(*args, **kwargs)
 
-    monkeypatch.setattr(xmod, "linear_tp_shard", spy)
     fc2 = model.decoder.layers[0].mlp.linear_fc2
-    assert fc2.ops is xmod
+    (binding,) = fc2.ops.bindings  # the site's one binding: Triton's linear_tp
+    assert binding.backend == "triton" and binding.impl == want
+    assert fc2.ops.linear_tp_shard is xmod.linear_tp_shard
+    monkeypatch.setattr(fc2.ops, "linear_tp_shard", spy)
     x = torch.randn(3, 1, fc2.input_size_per_partition, requires_grad=True)
     out, _ = fc2(x)
     assert len(calls) == 1 and calls[0]["tp"] == 1 and calls[0]["leaves"] == 8

@@ -64,9 +64,9 @@ _TRAINER = (
      "device): Megatron's own torch chunked rule and HF's l2norm stand in"),
     ("gated_delta_net_cpu", "gated_delta_net.torch",
      "GatedDeltaNet allocates conv1d, dt_bias and A_log on the CUDA device"),
-    ("rope_calls_traced", "isoexec.ops.apply_rope, megatron.core.transformer.attention"
-     ".apply_rotary_pos_emb", "tracing only (`isoexec locate`): RoPE has no module on the "
-     "trainer, so a hook cannot see it; rebound for the length of a trace"),
+    ("rope_calls_traced", "megatron.core.transformer.attention.apply_rotary_pos_emb",
+     "tracing a native model only (`isoexec locate`): its RoPE has no module, so a hook cannot "
+     "see it; rebound for the length of a trace (IsoExec's RoPE is a module)"),
 )  # fmt: skip
 
 DECLARED: tuple[PatchEntry, ...] = tuple(

@@ -1,5 +1,6 @@
 """The canonical core attention for Megatron (RoPE + varlen attention per packed sequence):
-the trainer's side of `isoexec.vllm.attention`."""
+the trainer's side of `isoexec.vllm.attention`, with RoPE as its own site module,
+`IsoRotaryEmbedding`, as vLLM's attention holds its `rotary_emb`."""
 
 from __future__ import annotations
 
@@ -29,8 +30,35 @@ def packed_positions(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return torch.arange(total) - starts
 
 
+class IsoRotaryEmbedding(torch.nn.Module):
+    """The RoPE site (`layers.N.self_attn.rope`): canonical neox-style rope of q and k at
+    their positions, fp32 cos/sin of `theta`, the first `rotary_dim` dims of each head
+    rotated. The trainer's twin of vLLM's `rotary_emb` (`isoexec.vllm.layers
+    .IsoRotaryEmbedding`): a module of its own, so it is bound, read back, traced and verified
+    like every other site. It has no parameters (nothing to load or export)."""
+
+    isoexec_impl: ImplInfo
+
+    def __init__(self, config: TransformerConfig, head_dim: int, rotary_dim: int, theta: float):
+        super().__init__()
+        if not 0 < rotary_dim <= head_dim or rotary_dim % 2:
+            raise CanonicalSiteError(f"rotary dim {rotary_dim} for head dim {head_dim}")
+        self.head_dim, self.rotary_dim, self.theta = head_dim, rotary_dim, float(theta)
+        bind(self, site_binding(config, "rope"))
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, D], k [T, Hkv, D] rotated at `positions` [T]."""
+        cos, sin = self.ops.rope_cos_sin(positions, self.rotary_dim, self.theta)
+        q = self.ops.apply_rope(query, cos, sin, self.rotary_dim)
+        k = self.ops.apply_rope(key, cos, sin, self.rotary_dim)
+        return q, k
+
+
 class IsoCoreAttention(MegatronModule):
-    """Core attention slot: canonical RoPE then `ops.attention_varlen` (causal, GQA).
+    """Core attention slot: canonical RoPE (`rotary`, its own site) then
+    `ops.attention_varlen` (causal, GQA).
 
     Reads packed sequences (`PackedSeqParams`, qkv_format 'thd': q/k/v [T, H, D]) or Megatron's
     [s, b, H, D] (each batch row one sequence from position 0). RoPE is applied here because
@@ -38,7 +66,7 @@ class IsoCoreAttention(MegatronModule):
     (freqs table + its own rounding) is not the canonical rope.
     """
 
-    isoexec_impls: dict[str, ImplInfo]
+    isoexec_impl: ImplInfo
 
     def __init__(
         self,
@@ -70,13 +98,15 @@ class IsoCoreAttention(MegatronModule):
         if problems:
             raise CanonicalSiteError("canonical attention does not support: " + ", ".join(problems))
         # Any TP: heads are independent, and q/k/v arrive with this rank's heads only.
-        bind(self, site_binding(config, "attention"), site_binding(config, "rope"))
+        bind(self, site_binding(config, "attention"))
         self.head_dim = int(config.kv_channels)
         rotary_dim = getattr(config, "isoexec_rotary_dim", None)
-        self.rotary_dim = self.head_dim if rotary_dim is None else int(rotary_dim)
-        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
-            raise CanonicalSiteError(f"rotary dim {self.rotary_dim} for head dim {self.head_dim}")
-        self.rope_theta = float(theta)  # type: ignore[arg-type]
+        self.rotary = IsoRotaryEmbedding(
+            config,
+            self.head_dim,
+            self.head_dim if rotary_dim is None else int(rotary_dim),
+            float(theta),  # type: ignore[arg-type]
+        )
         # vLLM's Qwen3 attention: `self.scaling = self.head_dim**-0.5`, the same float.
         self.scale = float(softmax_scale) if softmax_scale is not None else self.head_dim**-0.5
 
@@ -118,11 +148,6 @@ class IsoCoreAttention(MegatronModule):
     def _attend(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor
     ) -> torch.Tensor:
-        """q [T, H, D], k/v [T, Hkv, D]: rope (as vLLM's IsoRotaryEmbedding), then attention."""
-        pos = packed_positions(cu, q.shape[0]).to(q.device)
-        rot = getattr(self, "rotary_dim", self.head_dim)
-        o = self.ops
-        cos, sin = o.rope_cos_sin(pos, rot, self.rope_theta)
-        q = o.apply_rope(q, cos, sin, rot)
-        k = o.apply_rope(k, cos, sin, rot)
-        return o.attention_varlen(q, k, v, cu.to(q.device), scale=self.scale)
+        """q [T, H, D], k/v [T, Hkv, D]: rope (its own site, `rotary`), then attention."""
+        q, k = self.rotary(packed_positions(cu, q.shape[0]).to(q.device), q, k)
+        return self.ops.attention_varlen(q, k, v, cu.to(q.device), scale=self.scale)

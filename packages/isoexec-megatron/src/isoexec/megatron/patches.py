@@ -3,11 +3,11 @@
 was written against; the model itself is composed through Megatron's own extension point,
 `ModuleSpec` (`layer_specs.py`).
 
-- `rope_calls_wrapped`: tracing only. RoPE has no module on the trainer, so a forward hook
-  cannot see it: IsoExec's core attention calls `isoexec.ops.apply_rope`, a native
-  Megatron attention the module-global `megatron.core.transformer.attention
-  .apply_rotary_pos_emb`. Both names are rebound to a wrapper for the length of a trace and
-  restored on exit (also on error).
+- `rope_calls_wrapped`: tracing a native (stock) model only. Its RoPE has no module, so a
+  forward hook cannot see it: Megatron's attention calls the module-global
+  `megatron.core.transformer.attention.apply_rotary_pos_emb`, which is rebound to a wrapper
+  for the length of a trace and restored on exit (also on error). IsoExec's RoPE is a module
+  (`attention.IsoRotaryEmbedding`), traced with a hook like every other site.
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ class MegatronVersionError(PatchError):
 
 @contextlib.contextmanager
 def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
-    """Within the block, every RoPE application on the trainer runs `wrap(original)`."""
+    """Within the block, every RoPE application of a native Megatron attention runs
+    `wrap(original)`."""
     import megatron.core.transformer.attention as mattn
-    from isoexec import ops
 
     if not hasattr(mattn, "apply_rotary_pos_emb"):
         raise MegatronVersionError(
@@ -43,7 +43,6 @@ def rope_calls_wrapped(wrap: Callable[[RopeFn], RopeFn]) -> Iterator[None]:
         )
 
     def write() -> None:
-        REGISTRY.set_attr(ops, "apply_rope", wrap(ops.apply_rope))
         REGISTRY.set_attr(mattn, "apply_rotary_pos_emb", wrap(mattn.apply_rotary_pos_emb))
 
     # A nested trace: apply would be a no-op and its exit would undo the outer trace's wrapper.

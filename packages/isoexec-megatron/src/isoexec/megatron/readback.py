@@ -110,11 +110,14 @@ def _read(model: torch.nn.Module, hf_config: Mapping[str, Any]) -> dict[str, Imp
         _, idx, rest = name.split(".", 2)
         prefix = f"decoder.layers.{int(idx) - stage.first_layer}"  # the stage's own numbering
         if rest == "self_attn.rope":
+            # IsoExec's RoPE is the core attention's `rotary` module; a native model's is the
+            # model's `rotary_pos_emb` (one table for every layer)
             core = _lookup(modules, f"{prefix}.self_attention.core_attention", name)
-            declared = declared_impl(core, op)
+            own = getattr(core, "rotary", None)
+            declared = None if own is None else declared_impl(own, op)
             if declared is not None and rotary is not None:
                 raise SiteNotFoundError(
-                    f"site {name}: both the core attention ({type(core).__name__}) and the "
+                    f"site {name}: both the core attention's {type(own).__name__} and the "
                     f"model's {type(rotary).__name__} apply RoPE"
                 )
             if declared is None and rotary is None:

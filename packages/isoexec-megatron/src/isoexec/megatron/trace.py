@@ -9,9 +9,10 @@ maths gives equal digests:
 - `[s, b=1, …]` and packed `[T, …]` outputs become `[T, features]`;
 - the fused QKV output is put in the engine's `[q; k; v]` column order (Megatron keeps
   columns interleaved per query group) — an exact permutation, for canonical and native;
-- rope has no module here: the canonical core attention calls `ops.apply_rope` for q and k,
-  a native model Megatron's `apply_rotary_pos_emb`; both are wrapped while tracing
-  (`patches.rope_calls_wrapped`) and the row is `cat(q, k)` per token;
+- rope: the output (q, k) of the core attention's `rotary` module (`IsoRotaryEmbedding`, as
+  vLLM's `rotary_emb`); a native model has no RoPE module (Megatron calls
+  `apply_rotary_pos_emb`), so that function is wrapped while tracing
+  (`patches.rope_calls_wrapped`); the row is `cat(q, k)` per token either way;
 - lm_head: logits sliced to the HF vocab (padding columns dropped);
 - logprobs: `score(…, temperature=1.0)`, one value per position 0..n-2.
 Not recorded: `mlp.router` (the engine routes inside its experts runner, so there is nothing
@@ -24,6 +25,7 @@ not a module).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -54,6 +56,7 @@ class TrainerTracer:
         self.n = 0
         self.layer: int | None = None
         self.rope: list[torch.Tensor] = []
+        self.wrapped_rope = False  # a native model's RoPE function needs wrapping to be seen
         self._handles: list[Any] = []
         self._install(model, hf_config)
 
@@ -82,6 +85,11 @@ class TrainerTracer:
                 self.trace.untraced[name] = UNTRACED_SITES[rest]
                 continue
             if rest == "self_attn.rope":
+                own = modules.get(f"{prefix}.self_attention.core_attention.rotary")
+                if own is not None:  # IsoExec: RoPE is a module of its own
+                    hook(own.register_forward_hook(self._on_rope(int(idx))))
+                    continue
+                self.wrapped_rope = True  # native: Megatron's function, wrapped while tracing
                 attn = modules.get(f"{prefix}.self_attention")
                 if attn is None:
                     self.trace.untraced[name] = "no self_attention module"
@@ -135,6 +143,14 @@ class TrainerTracer:
 
         return pre
 
+    def _on_rope(self, layer: int) -> Callable[..., None]:
+        def post(module: Any, args: Any, out: Any) -> None:
+            q, k = (rows_2d(t, self.n) for t in out)
+            if q is not None and k is not None:
+                self._record(f"layers.{layer}.self_attn.rope", torch.cat([q, k], dim=1))
+
+        return post
+
     def _flush_rope(self, layer: int) -> Callable[..., None]:
         def post(module: Any, args: Any, out: Any) -> None:
             captured, self.rope = self.rope, []
@@ -179,7 +195,8 @@ def trace_trainer(
     cfg = _read_source(hf_config)
     tracer = TrainerTracer(model, cfg, store_values=store_values)
     try:
-        with rope_calls_wrapped(tracer._capture):
+        wrapped = rope_calls_wrapped(tracer._capture) if tracer.wrapped_rope else nullcontext()
+        with wrapped:
             for i, seq in enumerate(sequences):
                 ids = [int(t) for t in seq]
                 tracer.trace.begin_sequence(i, ids)
