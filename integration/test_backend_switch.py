@@ -58,7 +58,7 @@ def triton_run(
 def test_triton_trainer_contract_is_all_triton(triton_run: dict[str, Any]) -> None:
     contract = Contract.from_bytes(triton_run["results"][0]["contract"])
     assert {s.impl.backend for s in contract.sites} == {"triton"}
-    assert contract.backend.triton is not None  # the Triton version is part of the identity
+    assert contract.device.triton is not None  # the Triton version is part of the identity
 
 
 def test_triton_trainer_refused_by_torch_engine(

@@ -4,8 +4,8 @@ the same on every machine."""
 from __future__ import annotations
 
 from isoexec.contract.contract import (
-    BackendIdentity,
     Contract,
+    DeviceIdentity,
     Dtypes,
     ModelIdentity,
     build_contract,
@@ -29,7 +29,7 @@ DTYPES = Dtypes(
     recurrent_state=None,
     logprobs="float32",
 )
-BACKEND = BackendIdentity(torch="2.13.0+cpu", device_kind="cpu", arch="x86_64:avx2,fma:AVX2")
+DEVICE = DeviceIdentity(torch="2.13.0+cpu", device_kind="cpu", arch="x86_64:avx2,fma:AVX2")
 
 
 def linear(version: int = 3, block_rows: int = 32, fp: str = FP) -> ImplInfo:
@@ -71,7 +71,7 @@ def make_contract(n_layers: int = 2, **kw: object) -> Contract:
     return build_contract(
         model=model,  # type: ignore[arg-type]
         dtypes=kw.pop("dtypes", DTYPES),  # type: ignore[arg-type]
-        backend=kw.pop("backend", BACKEND),  # type: ignore[arg-type]
+        device=kw.pop("device", DEVICE),  # type: ignore[arg-type]
         sites=kw.pop("sites", None) or site_impls(n_layers, fc1_version=fc1),  # type: ignore[arg-type]
         **kw,  # type: ignore[arg-type]
     )

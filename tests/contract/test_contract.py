@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _contract_testlib import BACKEND, DTYPES, FP, MODEL, make_contract, site_impls
+from _contract_testlib import DEVICE, DTYPES, FP, MODEL, make_contract, site_impls
 
 from isoexec.contract.contract import (
     Contract,
@@ -26,12 +26,12 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.sites import Site as ModelSite
 
 GOLDEN_BYTES = (
-    b'{"backend":{"arch":"x86_64:avx2,fma:AVX2","cuda":null,"device_kind":"cpu","patches":[],'
+    b'{"device":{"arch":"x86_64:avx2,fma:AVX2","cuda":null,"device_kind":"cpu","patches":[],'
     b'"threads":null,"torch":"2.13.0+cpu","triton":null},"dtypes":{"activations":"float32","kv_cache":"float32",'
     b'"logprobs":"float32","params":"float32","recurrent_state":null,"residual":"float32"},'
     b'"model":{"architecture":"Qwen3ForCausalLM","config_digest":'
     b'"af79be01a61a7fe320a804f51e0d74cb62ac3ba73829a1b4fc1f924e06c50db3","layer_kinds":'
-    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":3,'
+    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":4,'
     b'"sites":{"embed_tokens":{"backend":"native","impl_id":'
     b'"native:Embedding","op":"embedding","params":{},"source_fingerprint":"","tp":"1",'
     b'"version":0},"layers.0.input_layernorm":{"backend":"torch-cpu","impl_id":"isoexec.rms_norm",'
@@ -59,7 +59,7 @@ GOLDEN_BYTES = (
     b'"impl_id":"isoexec.rms_norm","op":"rms_norm","params":{"eps":"0x1.0c6f7a0b5ed8dp-20"},'
     b'"source_fingerprint":"0123456789abcdef0123456789abcdef","tp":"1","version":1}}}'
 )
-GOLDEN_HASH = "30cdd578ddbbad10f613a37f555ad6e78f65e04e1e3d0920661dfd5dbc53361e"
+GOLDEN_HASH = "113f758e80eb56b24e66303816f3afe1387ace5dec1224b809d522cf9bcbe45a"
 
 
 def test_golden_bytes_and_hash() -> None:
@@ -159,13 +159,13 @@ def test_missing_field_refused() -> None:
 
 def test_unknown_schema_version_refused() -> None:
     d = make_contract(1).to_dict()
-    d["schema_version"] = 4
-    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 4 \(known: 3\)"):
+    d["schema_version"] = 5
+    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 5 \(known: 4\)"):
         Contract.from_bytes(canonical_json(d))
     # Schema 1 (no `parallel` section) is refused, not read with a guessed layout.
     del d["parallel"]
     d["schema_version"] = 1
-    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 3\)"):
+    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 4\)"):
         Contract.from_bytes(canonical_json(d))
     d["schema_version"] = "1"
     with pytest.raises(ContractError, match="schema_version: missing or not an integer"):
@@ -190,7 +190,7 @@ def test_native_sites_recorded_and_missing_sites_refused() -> None:
     c = make_contract(1)
     assert c.site("embed_tokens").impl.impl_id == "native:Embedding"
     assert c.native_sites == ("embed_tokens",)
-    b = ContractBuilder(MODEL, DTYPES, BACKEND)
+    b = ContractBuilder(MODEL, DTYPES, DEVICE)
     b.add_site("lm_head", ImplInfo.native("linear", "ParallelLMHead"))
     with pytest.raises(ContractError, match=r"1 site\(s\) not recorded .*: logprobs"):
         b.build(expected_sites=["lm_head", "logprobs"])
@@ -233,8 +233,8 @@ def test_builder_detects_backend_when_not_given() -> None:
         dtypes=DTYPES,
         sites={"lm_head": ImplInfo.make("linear", "isoexec.linear", 1, "torch-cpu", {}, FP)},
     )
-    assert c.backend.device_kind in ("cpu", "cuda") and c.backend.torch
-    assert c.backend.triton is None  # no triton site
+    assert c.device.device_kind in ("cpu", "cuda") and c.device.torch
+    assert c.device.triton is None  # no triton site
 
 
 def test_contract_is_frozen_and_validates_sites() -> None:
@@ -242,9 +242,9 @@ def test_contract_is_frozen_and_validates_sites() -> None:
     with pytest.raises(AttributeError):
         c.model = MODEL  # type: ignore[misc]
     with pytest.raises(ContractError, match="invalid site name 'has space'"):
-        Contract(MODEL, DTYPES, BACKEND, (SiteRecord("has space", ImplInfo.native("x", "Y")),))
+        Contract(MODEL, DTYPES, DEVICE, (SiteRecord("has space", ImplInfo.native("x", "Y")),))
     with pytest.raises(ContractError, match="at least one site"):
-        Contract(MODEL, DTYPES, BACKEND, ())
+        Contract(MODEL, DTYPES, DEVICE, ())
 
 
 def test_parallel_layout_is_hashed_checked_and_diffed() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from _contract_testlib import BACKEND, DTYPES, make_contract, site_impls
+from _contract_testlib import DEVICE, DTYPES, make_contract, site_impls
 
 from isoexec.contract.diff import diff
 from isoexec.contract.impl import ImplInfo
@@ -44,13 +44,13 @@ def test_global_fields_come_before_sites() -> None:
     a = make_contract(4)
     b = make_contract(
         4,
-        backend=replace(BACKEND, torch="2.14.0+cpu"),
+        device=replace(DEVICE, torch="2.14.0+cpu"),
         dtypes=replace(DTYPES, kv_cache="bfloat16"),
         fc1_version={0: 9},
     )
     assert diff(a, b).lines == (
         "dtypes.kv_cache: float32 → bfloat16",
-        "backend.torch: 2.13.0+cpu → 2.14.0+cpu",
+        "device.torch: 2.13.0+cpu → 2.14.0+cpu",
         "layers.0.mlp.fc1 (linear): impl version 3 → 9",
     )
 

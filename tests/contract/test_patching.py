@@ -89,8 +89,8 @@ def test_the_contract_lists_the_declared_patches_and_the_diff_names_one() -> Non
     assert {e.side for e in DECLARED} == {"engine", "trainer"}
     assert "engine:sampler@vllm 0.32.0" in listed
     a = make_contract(1)
-    a = replace(a, backend=replace(a.backend, patches=listed))
-    b = replace(a, backend=replace(a.backend, patches=(*listed[1:], "engine:extra@vllm 0.33.0")))
+    a = replace(a, device=replace(a.device, patches=listed))
+    b = replace(a, device=replace(a.device, patches=(*listed[1:], "engine:extra@vllm 0.33.0")))
     assert a.hash != b.hash
     report = str(diff(a, b))
     assert listed[0] in report and "engine:extra@vllm 0.33.0" in report

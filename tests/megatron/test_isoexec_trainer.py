@@ -362,7 +362,7 @@ def test_gemm_sites_record_the_library_that_runs_and_the_engine_records_the_same
     o_proj = trainer_contract(leaves, qwen3_moe_dir).site("layers.0.self_attn.o_proj").impl
     assert o_proj.param_dict()["gemm"] == gemm_library("cpu", torch.float32)  # fp32 leaves
 
-    backend = pytest.importorskip("isoexec.vllm.backend")  # the engine's lookup, no engine
+    backend = pytest.importorskip("isoexec.vllm.engine_binding")  # the engine's lookup, no engine
     import vllm.config
 
     engine = SimpleNamespace(

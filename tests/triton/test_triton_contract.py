@@ -13,7 +13,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-from isoexec.contract.contract import BackendIdentity
+from isoexec.contract.contract import DeviceIdentity
 from isoexec.contract.diff import diff
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
@@ -33,7 +33,7 @@ ARCH = {
     "qwen3_next": "Qwen3NextForCausalLM",
 }
 # Fixed, so the two contracts differ only where the sites differ.
-BACKEND = BackendIdentity(torch="2.13.0", device_kind="cuda", arch="sm90", triton="3.9.0")
+DEVICE = DeviceIdentity(torch="2.13.0", device_kind="cuda", arch="sm90", triton="3.9.0")
 FAMILIES = ("tiny-dense", "tiny-moe", "tiny-gdn")
 
 
@@ -45,7 +45,7 @@ def _config(preset: str) -> dict[str, Any]:
 
 def _contract(cfg: dict[str, Any], backend_of: Any) -> Any:
     sites = {s.name: get_backend_impl(s.op, backend_of(s.name)) for s in model_sites(cfg)}
-    return contract_for(cfg, "bfloat16", sites, backend=BACKEND)
+    return contract_for(cfg, "bfloat16", sites, device=DEVICE)
 
 
 def test_every_op_has_a_triton_impl() -> None:

@@ -18,7 +18,7 @@ from _invariance import (
     observations,
 )
 
-from isoexec.contract.backend import cpu_isa
+from isoexec.contract.device import cpu_isa
 
 pytestmark = pytest.mark.engine
 

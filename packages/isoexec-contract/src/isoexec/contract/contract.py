@@ -10,13 +10,13 @@ JSON, UTF-8, keys sorted at every level, no whitespace (`separators=(",", ":")`)
 kept as UTF-8 (not `\\u` escapes), **no floats anywhere** (floats are encoded as exact strings,
 e.g. `float.hex()`); integers, strings, booleans, null, arrays and objects only::
 
-    {"backend":   {"arch":..., "cuda":..., "device_kind":..., "patches":[...], "threads":...,
+    {"device":    {"arch":..., "cuda":..., "device_kind":..., "patches":[...], "threads":...,
                    "torch":..., "triton":...},
      "dtypes":    {"activations":..., "kv_cache":..., "logprobs":..., "params":...,
                    "recurrent_state":..., "residual":...},
      "model":     {"architecture":..., "config_digest":..., "layer_kinds":[...]},
      "parallel":  {"dp":..., "ep":..., "pp":..., "tp":...},
-     "schema_version": 2,
+     "schema_version": 4,
      "sites":     {"<site name>": {"backend":..., "impl_id":..., "op":..., "params":{...},
                                    "source_fingerprint":..., "tp":..., "version":...}, ...}}
 
@@ -43,7 +43,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Protocol
 
-from isoexec.contract.backend import detect_backend
 from isoexec.contract.contract_errors import ContractError, SchemaVersionError
 from isoexec.contract.contract_json import (
     _exact_keys,
@@ -61,13 +60,14 @@ from isoexec.contract.contract_types import (  # re-exported: callers import the
     KNOWN_SCHEMA_VERSIONS,
     SCHEMA_VERSION,
     TP_INVARIANT,
-    BackendIdentity,
+    DeviceIdentity,
     Dtypes,
     ModelIdentity,
     SiteRecord,
     site_sort_key,
 )
 from isoexec.contract.contract_validate import validate
+from isoexec.contract.device import detect_device
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.parallel_layout import SERIAL_LAYOUT, ParallelLayout, ParallelLayoutError
 
@@ -87,7 +87,7 @@ class Contract:
 
     model: ModelIdentity
     dtypes: Dtypes
-    backend: BackendIdentity
+    device: DeviceIdentity
     sites: tuple[SiteRecord, ...]
     parallel: ParallelLayout = SERIAL_LAYOUT
     schema_version: int = SCHEMA_VERSION
@@ -114,14 +114,14 @@ class Contract:
                 "recurrent_state": self.dtypes.recurrent_state,
                 "logprobs": self.dtypes.logprobs,
             },
-            "backend": {
-                "torch": self.backend.torch,
-                "triton": self.backend.triton,
-                "cuda": self.backend.cuda,
-                "device_kind": self.backend.device_kind,
-                "arch": self.backend.arch,
-                "threads": self.backend.threads,
-                "patches": list(self.backend.patches),
+            "device": {
+                "torch": self.device.torch,
+                "triton": self.device.triton,
+                "cuda": self.device.cuda,
+                "device_kind": self.device.device_kind,
+                "arch": self.device.arch,
+                "threads": self.device.threads,
+                "patches": list(self.device.patches),
             },
             "parallel": self.parallel.to_dict(),
             "sites": {
@@ -205,7 +205,7 @@ class Contract:
                 f"(known: {', '.join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))})"
             )
         _exact_keys(
-            top, {"schema_version", "model", "dtypes", "backend", "parallel", "sites"}, "contract"
+            top, {"schema_version", "model", "dtypes", "device", "parallel", "sites"}, "contract"
         )
         try:
             parallel = ParallelLayout.from_dict(_obj(top["parallel"], "parallel"))
@@ -231,19 +231,19 @@ class Contract:
             recurrent_state=_opt_str(d["recurrent_state"], "dtypes.recurrent_state"),
             logprobs=_str(d["logprobs"], "dtypes.logprobs"),
         )
-        b = _obj(top["backend"], "backend")
-        _exact_keys(b, {f.name for f in fields(BackendIdentity)}, "backend")
+        b = _obj(top["device"], "device")
+        _exact_keys(b, {f.name for f in fields(DeviceIdentity)}, "device")
         threads = b["threads"]
         if threads is not None and type(threads) is not int:
-            raise ContractError("backend.threads: expected an integer or null")
-        backend = BackendIdentity(
-            torch=_str(b["torch"], "backend.torch"),
-            device_kind=_str(b["device_kind"], "backend.device_kind"),
-            arch=_str(b["arch"], "backend.arch"),
-            triton=_opt_str(b["triton"], "backend.triton"),
-            cuda=_opt_str(b["cuda"], "backend.cuda"),
+            raise ContractError("device.threads: expected an integer or null")
+        device = DeviceIdentity(
+            torch=_str(b["torch"], "device.torch"),
+            device_kind=_str(b["device_kind"], "device.device_kind"),
+            arch=_str(b["arch"], "device.arch"),
+            triton=_opt_str(b["triton"], "device.triton"),
+            cuda=_opt_str(b["cuda"], "device.cuda"),
             threads=threads,
-            patches=_str_list(b["patches"], "backend.patches"),
+            patches=_str_list(b["patches"], "device.patches"),
         )
         raw_sites = _obj(top["sites"], "sites")
         sites: list[SiteRecord] = []
@@ -269,7 +269,7 @@ class Contract:
                 source_fingerprint=_str(s["source_fingerprint"], f"{where}.source_fingerprint"),
             )
             sites.append(SiteRecord(name, impl, _str(s["tp"], f"{where}.tp")))
-        return Contract(model, dtypes, backend, tuple(sites), parallel, version)
+        return Contract(model, dtypes, device, tuple(sites), parallel, version)
 
     # -- files -------------------------------------------------------------------------------
 
@@ -310,8 +310,8 @@ class Contract:
 class ContractBuilder:
     """Collect sites in model order, then `build()` a frozen `Contract`.
 
-    `backend=None` detects the running backend at `build()` (Triton's version is included
-    when any site's impl backend starts with "triton"). `tp_size` is the degree this side runs
+    `device=None` detects the running device identity at `build()` (Triton's version is included
+    when any site's kernels are Triton's). `tp_size` is the degree this side runs
     at; sites added with `tp_invariant=True` record `"invariant"` instead.
     """
 
@@ -319,7 +319,7 @@ class ContractBuilder:
         self,
         model: ModelIdentity,
         dtypes: Dtypes,
-        backend: BackendIdentity | None = None,
+        device: DeviceIdentity | None = None,
         *,
         tp_size: int = 1,
         parallel: ParallelLayout | None = None,
@@ -329,7 +329,7 @@ class ContractBuilder:
         self.parallel = parallel
         self.model = model
         self.dtypes = dtypes
-        self.backend = backend
+        self.device = device
         self.tp_size = tp_size
         self._sites: dict[str, SiteRecord] = {}
 
@@ -359,15 +359,15 @@ class ContractBuilder:
                         f"site {e.name!r} runs op {e.op!r} but its record says "
                         f"{self._sites[e.name].impl.op!r}"
                     )
-        backend = self.backend
-        if backend is None:
+        device = self.device
+        if device is None:
             uses_triton = any(s.impl.backend.startswith("triton") for s in self._sites.values())
-            backend = detect_backend(uses_triton=uses_triton)
+            device = detect_device(uses_triton=uses_triton)
         parallel = self.parallel
         if parallel is None:  # TP only: what the sites say; the other dimensions at degree 1
             invariant = all(s.tp_invariant for s in self._sites.values())
             parallel = ParallelLayout(tp=TP_INVARIANT if invariant else str(self.tp_size))
-        return Contract(self.model, self.dtypes, backend, tuple(self._sites.values()), parallel)
+        return Contract(self.model, self.dtypes, device, tuple(self._sites.values()), parallel)
 
 
 def build_contract(
@@ -375,7 +375,7 @@ def build_contract(
     model: ModelIdentity,
     dtypes: Dtypes,
     sites: Mapping[str, ImplInfo] | Iterable[tuple[str, ImplInfo]],
-    backend: BackendIdentity | None = None,
+    device: DeviceIdentity | None = None,
     tp_size: int = 1,
     tp_invariant: bool | Collection[str] = False,
     expected_sites: Iterable[str | HasNameOp] | None = None,
@@ -383,7 +383,7 @@ def build_contract(
 ) -> Contract:
     """One-call form of `ContractBuilder`: `sites` in model order; `tp_invariant` is True (every
     site claims TP invariance), False, or the names of the sites that claim it."""
-    b = ContractBuilder(model, dtypes, backend, tp_size=tp_size, parallel=parallel)
+    b = ContractBuilder(model, dtypes, device, tp_size=tp_size, parallel=parallel)
     pairs = list(sites.items() if isinstance(sites, Mapping) else sites)
     names = {n for n, _ in pairs}
     if not isinstance(tp_invariant, bool):
@@ -409,10 +409,10 @@ __all__ = [
     "KNOWN_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "TP_INVARIANT",
-    "BackendIdentity",
     "Contract",
     "ContractBuilder",
     "ContractError",
+    "DeviceIdentity",
     "Dtypes",
     "ModelIdentity",
     "SchemaVersionError",

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from isoexec.contract.impl import ImplInfo
 
-SCHEMA_VERSION = 3  # 3: backend.patches
+SCHEMA_VERSION = 4  # 3: the patches; 4: "backend" renamed "device" (the device identity)
 KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 TP_INVARIANT = "invariant"
 
@@ -48,7 +48,7 @@ class Dtypes:
 
 
 @dataclass(frozen=True)
-class BackendIdentity:
+class DeviceIdentity:
     """The software/hardware under the ops: a CPU ISA or GPU arch changes kernels and bits.
 
     `threads` is recorded only where a backend depends on it (canonical ops do not), else None.
@@ -95,7 +95,7 @@ __all__ = [
     "KNOWN_SCHEMA_VERSIONS",
     "SCHEMA_VERSION",
     "TP_INVARIANT",
-    "BackendIdentity",
+    "DeviceIdentity",
     "Dtypes",
     "ModelIdentity",
     "SiteRecord",

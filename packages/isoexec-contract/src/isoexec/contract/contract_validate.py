@@ -33,21 +33,19 @@ def validate(c: Contract) -> None:
         (c.dtypes.activations, "dtypes.activations", _nonempty),
         (c.dtypes.residual, "dtypes.residual", _nonempty),
         (c.dtypes.logprobs, "dtypes.logprobs", _nonempty),
-        (c.backend.torch, "backend.torch", _nonempty),
-        (c.backend.device_kind, "backend.device_kind", _nonempty),
-        (c.backend.arch, "backend.arch", _nonempty),
+        (c.device.torch, "device.torch", _nonempty),
+        (c.device.device_kind, "device.device_kind", _nonempty),
+        (c.device.arch, "device.arch", _nonempty),
     ]
     for value, where, ok in checks:
         if not ok(value):
             raise ContractError(f"{where}: must be a non-empty string, got {value!r}")
     if not isinstance(c.model.layer_kinds, tuple):
         raise ContractError("model.layer_kinds: must be a tuple of strings")
-    if c.backend.threads is not None and (
-        type(c.backend.threads) is not int or c.backend.threads < 1
-    ):
-        raise ContractError("backend.threads: must be a positive integer or None")
-    if not isinstance(c.backend.patches, tuple) or not all(_nonempty(p) for p in c.backend.patches):
-        raise ContractError("backend.patches: must be a tuple of non-empty strings")
+    if c.device.threads is not None and (type(c.device.threads) is not int or c.device.threads < 1):
+        raise ContractError("device.threads: must be a positive integer or None")
+    if not isinstance(c.device.patches, tuple) or not all(_nonempty(p) for p in c.device.patches):
+        raise ContractError("device.patches: must be a tuple of non-empty strings")
     if not isinstance(c.parallel, ParallelLayout):
         raise ContractError(f"parallel: must be a ParallelLayout, got {c.parallel!r}")
     if not isinstance(c.sites, tuple) or not c.sites:

@@ -1,7 +1,7 @@
 """Explain why two contracts differ: first cause first, consequences collapsed.
 
 A wrong torch version or dtype makes every site suspect, so global fields (schema, model,
-dtypes, backend) come first. Site differences follow in model order; a change repeated over
+dtypes, device) come first. Site differences follow in model order; a change repeated over
 many sites (one kernel bumped everywhere) collapses into one line, so a user reads one cause,
 not forty consequences::
 
@@ -29,7 +29,7 @@ ABSENT = "(absent)"
 
 @dataclass(frozen=True)
 class Difference:
-    """One differing field: `section` is schema/model/dtypes/backend/site."""
+    """One differing field: `section` is schema/model/dtypes/device/site."""
 
     section: str
     site: str | None
@@ -93,9 +93,9 @@ def diff(a: Contract, b: Contract, *, max_listed: int = 3) -> ContractDiff:
     for f in ("params", "activations", "residual", "kv_cache", "recurrent_state", "logprobs"):
         glob("dtypes", f, getattr(a.dtypes, f), getattr(b.dtypes, f))
     for f in ("torch", "triton", "cuda", "device_kind", "arch", "threads"):
-        glob("backend", f, getattr(a.backend, f), getattr(b.backend, f))
-    for p in sorted(set(a.backend.patches) ^ set(b.backend.patches)):  # each patch by name
-        glob("backend", f"patches[{p}]", p in a.backend.patches, p in b.backend.patches)
+        glob("device", f, getattr(a.device, f), getattr(b.device, f))
+    for p in sorted(set(a.device.patches) ^ set(b.device.patches)):  # each patch by name
+        glob("device", f"patches[{p}]", p in a.device.patches, p in b.device.patches)
     for f in ("tp", "pp", "ep", "dp"):
         glob("parallel", f, getattr(a.parallel, f), getattr(b.parallel, f))
 

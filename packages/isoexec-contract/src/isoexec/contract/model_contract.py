@@ -12,8 +12,8 @@ from typing import Any
 
 from isoexec.contract.architectures import text_config
 from isoexec.contract.contract import (
-    BackendIdentity,
     Contract,
+    DeviceIdentity,
     Dtypes,
     ModelIdentity,
     build_contract,
@@ -115,7 +115,7 @@ def contract_for(
     dtype: str,
     sites: Mapping[str, ImplInfo],
     *,
-    backend: BackendIdentity | None = None,
+    device: DeviceIdentity | None = None,
     tp_size: int = 1,
     pp_size: int = 1,
     ep_size: int = 1,
@@ -141,7 +141,7 @@ def contract_for(
         model=model_identity(hf_config),
         dtypes=model_dtypes(hf_config, dtype),
         sites=sites,
-        backend=backend,  # None: detected at build, with Triton's version if a site runs it
+        device=device,  # None: detected at build, with Triton's version if a site runs it
         tp_size=tp_size,
         tp_invariant=invariant,
         expected_sites=model_sites(hf_config),

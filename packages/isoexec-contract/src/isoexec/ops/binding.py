@@ -7,7 +7,7 @@ notice. A `SiteBinding(op, backend, placement)` derives both from the same three
 `impl` is the record, and `SiteOps` (what a site holds as `self.ops`) exposes only the
 functions of the ops it was bound to, so a site cannot call a function its record does not
 name. Both sides build their sites this way (`isoexec.megatron.canonical_base.site_binding`,
-`isoexec.vllm.backend.engine_binding`).
+`isoexec.vllm.engine_binding.engine_binding`).
 
 What remains possible is tampering after construction (a record replaced on the instance, a
 `forward` swapped for a native kernel, a call past the binding to `isoexec.ops` directly). The

@@ -116,7 +116,7 @@ def render(c: object) -> str:
         f"model     {c.model.architecture}  config {c.model.config_digest}",
         f"layers    {len(c.model.layer_kinds)}: {_kinds(c.model.layer_kinds)}",
         "dtypes    " + "  ".join(f"{k}={v}" for k, v in vars(c.dtypes).items()),
-        "backend   " + "  ".join(f"{k}={v}" for k, v in vars(c.backend).items() if v is not None),
+        "device    " + "  ".join(f"{k}={v}" for k, v in vars(c.device).items() if v is not None),
         f"sites     {len(c.sites)} ({len(c.native_sites)} native)",
     ]
     width = max(len(s.name) for s in c.sites)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from isoexec.contract.contract import BackendIdentity, Contract
+from isoexec.contract.contract import Contract, DeviceIdentity
 from isoexec.contract.impl import ImplInfo, declared_impl, installed_impl
 from isoexec.contract.model_contract import contract_for
 from isoexec.contract.sites import model_sites
@@ -186,12 +186,12 @@ def trainer_contract(
     hf_config: HFConfigSource,
     dtype: torch.dtype | str | None = None,
     *,
-    backend: BackendIdentity | None = None,
+    device: DeviceIdentity | None = None,
 ) -> Contract:
     """The trainer's execution contract, read back from the live model.
 
     `dtype` (torch dtype or its name) defaults to the model's parameter dtype; a different one
-    is refused. Identity, dtypes and backend come from `isoexec.contract.model_contract`, the
+    is refused. Identity, dtypes and device come from `isoexec.contract.model_contract`, the
     rules the engine uses.
     """
     cfg = _read_source(hf_config)
@@ -213,7 +213,7 @@ def trainer_contract(
     tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
     pp, ep, dp = _parallel_degrees()
     return contract_for(
-        cfg, model_dtype, sites, tp_size=tp, pp_size=pp, ep_size=ep, dp_size=dp, backend=backend
+        cfg, model_dtype, sites, tp_size=tp, pp_size=pp, ep_size=ep, dp_size=dp, device=device
     )
 
 

@@ -15,7 +15,7 @@ import torch
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.ops.binding import bind
-from isoexec.vllm.backend import engine_binding
+from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import paged_forward
 from vllm.v1.attention.backend import AttentionType

@@ -34,7 +34,7 @@ import triton.language as tl
 from isoexec.contract.impl import ImplInfo
 from isoexec.ops.binding import bind
 from isoexec.ops.triton._runtime import check_device, pow2
-from isoexec.vllm.backend import engine_binding
+from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import cache_views, paged_forward
 from vllm.utils.torch_utils import is_quantized_kv_cache

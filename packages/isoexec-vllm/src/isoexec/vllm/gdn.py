@@ -32,7 +32,7 @@ import torch
 from isoexec import ops
 from isoexec.contract.impl import ImplInfo, declared_impl
 from isoexec.ops.binding import bind
-from isoexec.vllm.backend import engine_binding
+from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer

@@ -16,7 +16,7 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.protocol import SiteRefusedError
 from isoexec.ops.binding import SiteOps, bind
 from isoexec.ops.gemm import clear_packed_weight_cache
-from isoexec.vllm.backend import engine_binding, engine_options
+from isoexec.vllm.engine_binding import engine_binding, engine_options
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import GemmaRMSNorm, RMSNorm

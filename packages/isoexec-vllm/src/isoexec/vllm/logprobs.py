@@ -21,7 +21,7 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.ops.binding import bind
-from isoexec.vllm.backend import engine_binding, engine_options
+from isoexec.vllm.engine_binding import engine_binding, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.patches import V2_RUNNER_ENV, rebind_sampler
 from vllm.v1.sample.sampler import Sampler

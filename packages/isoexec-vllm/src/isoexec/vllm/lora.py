@@ -133,7 +133,7 @@ def refused_lora_settings(vllm_config: Any) -> list[str]:
     lora = vllm_config.lora_config
     if lora is None:
         return []
-    from isoexec.vllm.backend import engine_options
+    from isoexec.vllm.engine_binding import engine_options
 
     out = []
     if lora.fully_sharded_loras:

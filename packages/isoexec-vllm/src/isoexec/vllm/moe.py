@@ -25,7 +25,7 @@ import torch
 from isoexec.contract.impl import ImplInfo
 from isoexec.ops.binding import SiteBinding, SiteOps, bind
 from isoexec.ops.gemm import clear_packed_weight_cache
-from isoexec.vllm.backend import engine_binding
+from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError, _with_canonical_linear
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from isoexec.contract.backend import cpu_isa, detect_backend
+from isoexec.contract.device import cpu_isa, detect_device
 from isoexec.contract.fingerprint import WeightFingerprint, WeightFingerprinter, tensor_digest
 
 X86 = """processor\t: 0
@@ -28,13 +28,13 @@ def test_cpu_isa_keeps_only_kernel_relevant_flags() -> None:
     assert cpu_isa("", machine="riscv64") == "riscv64:baseline"
 
 
-def test_detect_backend_on_this_machine() -> None:
-    b = detect_backend("cpu", record_threads=True)
+def test_detect_device_on_this_machine() -> None:
+    b = detect_device("cpu", record_threads=True)
     assert b.torch == torch.__version__ and b.device_kind == "cpu" and b.cuda is None
     assert b.arch.endswith(":" + torch.backends.cpu.get_cpu_capability())
     assert b.threads == torch.get_num_threads()
-    assert detect_backend("cpu").threads is None
-    assert detect_backend("cpu", uses_triton=True).triton  # a version, or "missing"
+    assert detect_device("cpu").threads is None
+    assert detect_device("cpu", uses_triton=True).triton  # a version, or "missing"
 
 
 def _weights() -> dict[str, torch.Tensor]:

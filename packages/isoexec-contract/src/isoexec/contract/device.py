@@ -1,4 +1,4 @@
-"""Detect the backend identity a contract records: what under the ops can change bits.
+"""Detect the device identity a contract records: what under the ops can change bits.
 
 PyTorch CPU kernels are vectorised per ISA (the transcendental tail-vs-SIMD effect differs
 between AVX2 and AVX-512), Triton/CUDA kernels per GPU arch; both sides must agree on these,
@@ -11,7 +11,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from isoexec.contract.contract_types import BackendIdentity
+from isoexec.contract.contract_types import DeviceIdentity
 from isoexec.contract.patch_table import contract_patch_list
 
 # CPU features that select different vector kernels (x86 `flags`, Arm `Features`).
@@ -57,13 +57,13 @@ def cpu_isa(cpuinfo: str | None = None, *, machine: str | None = None) -> str:
     return f"{head}{','.join(kept) or 'baseline'}"
 
 
-def detect_backend(
+def detect_device(
     device: str | None = None,
     *,
     uses_triton: bool = False,
     record_threads: bool = False,
-) -> BackendIdentity:
-    """The running backend. `device` is "cpu" or "cuda" (default: cuda if available).
+) -> DeviceIdentity:
+    """The running device identity. `device` is "cpu" or "cuda" (default: cuda if available).
 
     `uses_triton`: include Triton's version (only when a Triton kernel is installed).
     `record_threads`: include `torch.get_num_threads()`, for backends whose bits depend on it
@@ -88,7 +88,7 @@ def detect_backend(
             triton = metadata.version("triton")
         except metadata.PackageNotFoundError:
             triton = "missing"
-    return BackendIdentity(
+    return DeviceIdentity(
         torch=str(torch.__version__),
         device_kind=device_kind,
         arch=arch,
