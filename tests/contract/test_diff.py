@@ -71,7 +71,7 @@ def test_native_vs_canonical_and_missing_site_and_params() -> None:
     lines = diff(make_contract(2, sites=sites), make_contract(2, sites=other)).lines
     assert lines[0] == (
         "layers.1.self_attn.core (attention): impl isoexec.attention.tiled → "
-        "native:CPUAttentionBackendImpl; impl version 2 → 0; impl backend torch-cpu → native; "
+        "native:CPUAttentionBackendImpl; impl version 2 → 0; kernel backend torch-cpu → native; "
         'source fingerprint 0123456789ab… → ""; param tile 16 → (absent)'
     )
     assert lines[1] == "lm_head (linear): param block_rows 32 → 16"

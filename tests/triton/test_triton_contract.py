@@ -96,10 +96,10 @@ def test_triton_trainer_and_torch_engine_get_different_contracts(preset: str) ->
     assert all(x.section == "site" for x in d.differences)
     assert set(d.differing_sites) == {s.name for s in model_sites(cfg)}
     assert any(
-        x.field == "impl backend" and (x.left, x.right) == ("triton", "torch")
+        x.field == "kernel backend" and (x.left, x.right) == ("triton", "torch")
         for x in d.differences
     )
-    assert "impl backend triton → torch" in str(d)
+    assert "kernel backend triton → torch" in str(d)
 
 
 def test_one_site_on_another_backend_is_named() -> None:
@@ -110,7 +110,7 @@ def test_one_site_on_another_backend_is_named() -> None:
     assert trainer.hash != engine.hash
     assert d.differing_sites == ("lm_head",)
     line = next(line for line in d.lines if line.startswith("lm_head"))
-    assert "impl backend triton → torch" in line and "linear" in line
+    assert "kernel backend triton → torch" in line and "linear" in line
 
 
 def test_triton_linear_tp_shard_takes_the_torch_ops_call() -> None:

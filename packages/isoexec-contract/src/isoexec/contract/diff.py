@@ -21,7 +21,7 @@ _SITE_FIELDS: tuple[tuple[str, str], ...] = (
     ("op", "op"),
     ("impl_id", "impl"),
     ("version", "impl version"),
-    ("backend", "impl backend"),
+    ("backend", "kernel backend"),
     ("source_fingerprint", "source fingerprint"),
 )
 ABSENT = "(absent)"
