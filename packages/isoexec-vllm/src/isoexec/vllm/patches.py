@@ -5,9 +5,11 @@ that `REGISTRY.undo(name)` puts vLLM back. Everything else enters through vLLM's
 points: `CustomOp` / `PluggableLayer.register_oot`, `ModelRegistry.register_model`, the
 attention-backend registry, the worker extension.
 
-IsoExec's linear layers also override `CustomOp.dispatch_forward` (`layers.py`, `gdn.py`) in
-their own subclasses to bind the engine's backend when vLLM constructs the layer: a method vLLM
-calls, not a write into vLLM, so not a patch.
+IsoExec's norm, RoPE and activation layers also override `CustomOp.dispatch_forward`
+(`layers.py`, `gdn.py`) in their own subclasses: a method vLLM calls, not a write into vLLM, so
+not a patch. It is kept over implementing `forward_native` / `forward_cpu` / `forward_cuda`
+because it fails closed: whatever vLLM's dispatch would pick (a platform hook added later, a
+disabled op's separately compiled `forward_native`), the layer runs its canonical binding.
 """
 
 from __future__ import annotations
