@@ -91,3 +91,62 @@ def test_cpu_shims_are_declared_patches_and_undo_restores_megatron() -> None:
     assert got["changed"] == [True, True, True]  # the shims wrote (else this proves nothing)
     assert got["restored"] == [True, True, True]
     assert got["again"] == got["names"] and got["left"]
+
+
+SCOPED_SHIMS = """
+import json, sys
+import torch
+from isoexec.megatron import build_model, cpu_shims, load_hf_weights, megatron_parallel
+from isoexec.megatron.scoring import policy_logprobs
+from isoexec.tools.tiny_models import make_tiny_model
+
+out, seqs = {}, [[1, 5, 9, 2, 7, 3], [4, 4, 8]]
+with megatron_parallel():
+    for preset, dtype in (("tiny-dense", "float32"), ("tiny-moe", "float32"),
+                          ("tiny-gdn", "bfloat16")):
+        ckpt = make_tiny_model(preset, f"{sys.argv[1]}/{preset}", dtype=dtype, seed=2)
+        model = build_model(ckpt, isoexec=True, dtype=getattr(torch, dtype))
+        load_hf_weights(model, ckpt)
+        lps = policy_logprobs(model, [torch.tensor(s) for s in seqs])
+        torch.cat(lps).sum().backward()  # the backward reaches no native-only shim either
+        out[preset] = {"ckpt": str(ckpt), "lp": [float(x).hex() for x in torch.cat(lps)]}
+    iso_only = cpu_shims.applied_cpu_shims()
+    build_model(out["tiny-dense"]["ckpt"], isoexec=False)
+    with_native = cpu_shims.applied_cpu_shims()
+print(json.dumps({"models": out, "iso_only": iso_only, "with_native": with_native}))
+"""
+
+
+def test_cpu_shims_are_scoped_to_the_native_models(parallel, tmp_path) -> None:
+    """In a fresh process that builds, scores and back-propagates IsoExec models (dense, MoE,
+    GDN) only the process shims are in force, none of `NATIVE_MODEL_SHIMS`; building a native
+    model adds exactly those. The IsoExec logprobs are bitwise those of this process, where
+    every shim is in force (the scoping changes no bit)."""
+    import json
+    import subprocess
+    import sys
+
+    import torch
+
+    from isoexec.megatron import build_model, cpu_shims, load_hf_weights
+    from isoexec.megatron.scoring import policy_logprobs
+
+    out = subprocess.run([sys.executable, "-c", SCOPED_SHIMS, str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    every = {shim.__name__ for shim in cpu_shims._SHIMS}
+    assert cpu_shims.NATIVE_MODEL_SHIMS < every
+    assert set(got["iso_only"]) == every - cpu_shims.NATIVE_MODEL_SHIMS
+    assert set(got["with_native"]) == every
+    cpu_shims.apply_cpu_shims()  # all of them, here
+    for preset, dtype in (("tiny-dense", "float32"), ("tiny-moe", "float32"),
+                          ("tiny-gdn", "bfloat16")):  # fmt: skip
+        ckpt = got["models"][preset]["ckpt"]
+        model = build_model(ckpt, isoexec=True, dtype=getattr(torch, dtype))
+        load_hf_weights(model, ckpt)
+        here = torch.cat(
+            policy_logprobs(model, [torch.tensor(s) for s in ([1, 5, 9, 2, 7, 3], [4, 4, 8])])
+        )
+        there = torch.tensor([float.fromhex(x) for x in got["models"][preset]["lp"]])
+        assert torch.equal(here.detach().float(), there), preset

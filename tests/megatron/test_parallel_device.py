@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from isoexec.megatron import cpu_shims, parallel
-from isoexec.megatron.cpu_shims import DEPENDENCY_SHIMS, apply_cpu_shims
+from isoexec.megatron.cpu_shims import DEPENDENCY_SHIMS, apply_process_cpu_shims
 from isoexec.megatron.cpu_shims.transformer import model_parallel_cpu_manual_seed
 from isoexec.megatron.parallel import current_layout, device_plan, megatron_parallel
 
@@ -36,7 +36,7 @@ def _nothing_left() -> None:
 def test_device_plan_is_the_decision() -> None:
     cpu, cuda = device_plan("cpu"), device_plan("cuda")
     assert (cpu.backend, cpu.apply_shims, cpu.manual_seed) == (
-        "gloo", apply_cpu_shims, model_parallel_cpu_manual_seed
+        "gloo", apply_process_cpu_shims, model_parallel_cpu_manual_seed
     )  # fmt: skip
     assert (cuda.backend, cuda.apply_shims) == ("nccl", cpu_shims.apply_dependency_shims)
     assert cuda.manual_seed is parallel._cuda_manual_seed

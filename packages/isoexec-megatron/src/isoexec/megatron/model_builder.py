@@ -337,7 +337,9 @@ def build_model(
     elif not torch.cuda.is_available():
         from isoexec.megatron.cpu_shims import apply_cpu_shims
 
-        apply_cpu_shims()  # idempotent; re-covers Megatron modules imported since
+        # idempotent; re-covers Megatron modules imported since. A native model needs the
+        # shims of Megatron's own modules too; an IsoExec model only the process's.
+        apply_cpu_shims(native_models=not isoexec)
 
     spec = block_spec(arch, sub)  # first: refuses what these modules cannot build
     from isoexec.megatron.pipeline import current_stage

@@ -5,7 +5,8 @@ Megatron modules read their tensor-parallel group from `parallel_state` when the
 a model can only exist inside an initialised parallel state. What differs between the devices
 is one `DevicePlan` (`device_plan`): the process-group backend, the shims, the RNG seeding.
 
-- `device="cpu"`: gloo, every CPU shim (`cpu_shims.apply_cpu_shims`), Megatron's RNG streams
+- `device="cpu"`: gloo, the process CPU shims (`cpu_shims.apply_process_cpu_shims`; a native
+  model's own shims come with `build_model(isoexec=False)`), Megatron's RNG streams
   over the CPU generator (`model_parallel_cpu_manual_seed`); refused when CUDA is available.
 - `device="cuda"`: NCCL, `torch.cuda.set_device(LOCAL_RANK)`, Megatron's own
   `model_parallel_cuda_manual_seed`, and no CPU shim: only the dependency shims (what Megatron's
@@ -38,8 +39,8 @@ import torch.distributed as dist
 
 from isoexec.megatron.cpu_shims import (
     applied_cpu_only_shims,
-    apply_cpu_shims,
     apply_dependency_shims,
+    apply_process_cpu_shims,
     model_parallel_cpu_manual_seed,
     reset_cpu_rng_tracker,
 )
@@ -83,7 +84,7 @@ def _cuda_manual_seed(seed: int) -> None:
 def device_plan(device: str) -> DevicePlan:
     """The plan for `device` ("cpu" or "cuda"); a pure decision, nothing is applied."""
     if device == "cpu":
-        return DevicePlan("cpu", "gloo", apply_cpu_shims, model_parallel_cpu_manual_seed)
+        return DevicePlan("cpu", "gloo", apply_process_cpu_shims, model_parallel_cpu_manual_seed)
     if device == "cuda":
         return DevicePlan("cuda", "nccl", apply_dependency_shims, _cuda_manual_seed)
     raise ValueError(f"megatron_parallel(device={device!r}): known devices {list(DEVICES)}")

@@ -8,6 +8,13 @@ need a real Megatron model, so each assumption is undone here by one small, name
 Rules:
 - Nothing is patched on import. `apply_cpu_shims()` applies them all, explicitly; it is
   idempotent and returns the names of the shims now in force, so callers can report them.
+- Scoped to the models that need them. Most shims patch code only Megatron's own (native)
+  modules reach: its RoPE module, its causal masks, its router gating, its local norm, its
+  `GatedDeltaNet` (`NATIVE_MODEL_SHIMS`). An IsoExec model's canonical modules replace each of
+  them, so `megatron_parallel()` applies only the process shims (`apply_process_cpu_shims`:
+  the CUDA RNG and buffers, Megatron's TP mappings and pipeline on the CPU, `jit_fuser`), and
+  `build_model(isoexec=False)` adds the native ones when a native model is built. A process
+  that builds only IsoExec models runs with the process shims alone.
 - Each shim is as narrow as we could make it: it replaces one function or method (or one module
   global) and keeps the upstream behaviour apart from the device.
 - Shims are for a CPU-only process. `apply_cpu_shims()` refuses to run when CUDA is available,
@@ -128,12 +135,29 @@ _SHIMS: tuple[Callable[[], None], ...] = (
     shim_pipeline_on_cpu,
 )
 
+# Shims that only Megatron's own modules reach (the native arms): applied when a native model
+# is built. An IsoExec model has no Megatron RoPE module (RoPE is canonical in the core
+# attention), passes no attention mask (its core attention takes packed boundaries), never
+# calls `Router.gating` (`IsoTopKRouter`), and replaces `WrappedTorchNorm` and `GatedDeltaNet`.
+NATIVE_MODEL_SHIMS: frozenset[str] = frozenset(
+    {
+        "shim_rotary_embedding_stays_on_cpu",
+        "shim_causal_masks_on_cpu",
+        "shim_router_gating_on_cpu",
+        "shim_moe_utils_without_te",
+        "shim_torch_norm_zero_centered_gamma",
+        "shim_gated_delta_net_without_fla",
+        "shim_gated_delta_net_on_cpu",
+    }
+)
+
 # Shims that must be re-run when more Megatron modules have been imported since.
 _RERUNNABLE = {"shim_disable_jit_fuser"}
 
 
-def apply_cpu_shims() -> list[str]:
-    """Apply every CPU shim (idempotent) and return the names of those in force.
+def apply_cpu_shims(*, native_models: bool = True) -> list[str]:
+    """Apply the CPU shims (idempotent) and return the names of those in force: all of them,
+    or with `native_models=False` the process shims only (not `NATIVE_MODEL_SHIMS`).
 
     Imports the Megatron modules the shims patch first, so later imports find them patched.
     """
@@ -148,8 +172,15 @@ def apply_cpu_shims() -> list[str]:
     import megatron.core.transformer.moe.token_dispatcher  # noqa: F401
 
     for shim in _SHIMS:
-        _apply(shim, rerun=shim.__name__ in _RERUNNABLE)
+        if native_models or shim.__name__ not in NATIVE_MODEL_SHIMS:
+            _apply(shim, rerun=shim.__name__ in _RERUNNABLE)
     return applied_cpu_shims()
+
+
+def apply_process_cpu_shims() -> list[str]:
+    """The CPU shims any Megatron model on the CPU needs (what `megatron_parallel()` applies):
+    every shim but `NATIVE_MODEL_SHIMS`. Idempotent; returns the names in force."""
+    return apply_cpu_shims(native_models=False)
 
 
 def applied_cpu_shims() -> list[str]:
@@ -234,6 +265,7 @@ def _dependency_names() -> set[str]:
 
 __all__ = [
     "DEPENDENCY_SHIMS",
+    "NATIVE_MODEL_SHIMS",
     "PATCH_OF",
     "SUPPORTED_MEGATRON_VERSION",
     "ZeroCenteredTorchRMSNorm",
@@ -241,6 +273,7 @@ __all__ = [
     "applied_cpu_shims",
     "apply_cpu_shims",
     "apply_dependency_shims",
+    "apply_process_cpu_shims",
     "model_parallel_cpu_manual_seed",
     "reset_cpu_rng_tracker",
     "undo_cpu_shims",
