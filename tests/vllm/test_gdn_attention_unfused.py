@@ -81,3 +81,23 @@ def test_negative_control_with_the_flag_left_on_the_fused_kernel_runs(
     attn = _attention(fused_flag=True)
     with pytest.raises(AssertionError, match="fused qk-norm/rope/gate kernel ran"):
         attn._project_qkv_gate(_qkv(), torch.arange(3))
+
+
+def test_adopt_makes_only_vllms_own_attention_canonical() -> None:
+    """IsoExec's Qwen3-Next model class adopts each gated attention vLLM built: same module,
+    IsoExec's class, the canonical gate bound (record and function from one binding); anything
+    but vLLM's own class is refused."""
+    from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
+
+    from isoexec.ops import ATTN_OUTPUT_GATE_IMPL
+
+    stock = Qwen3NextAttention.__new__(Qwen3NextAttention)
+    torch.nn.Module.__init__(stock)
+    stock.use_fused_qk_norm_rope_gate = True
+    same = IsoQwen3NextAttention.adopt(stock)
+    assert same is stock and type(same) is IsoQwen3NextAttention
+    assert same.use_fused_qk_norm_rope_gate is False
+    assert same.isoexec_impl == ATTN_OUTPUT_GATE_IMPL
+    assert callable(same.isoexec_ops.attn_output_gate)
+    with pytest.raises(TypeError, match="cannot adopt a IsoQwen3NextAttention"):
+        IsoQwen3NextAttention.adopt(same)

@@ -22,9 +22,6 @@ _ENGINE = (
      "inherits it); the sampler is not a CustomOp"),
     ("v1_model_runner", "env VLLM_USE_V2_MODEL_RUNNER=0 (unless the user set it)",
      "on CUDA vLLM defaults to Model Runner V2, which builds its own sampler; V1 runs IsoExec's"),
-    ("qwen3_next_attention", "vllm.model_executor.models.qwen3_next.Qwen3NextAttention",
-     "a plain nn.Module with its output gate inline, built through this module-global name by "
-     "Qwen3-Next's decoder layer"),
     ("text_only_config_hook", "vllm.model_executor.models.config.MODELS_CONFIG_MAP[<VL arch>]",
      "the per-architecture config hooks have no registration function; a Qwen3.5 "
      "vision-language checkpoint served text only needs its causal-LM sibling's hook"),

@@ -256,6 +256,20 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._make_canonical()
+
+    @classmethod
+    def adopt(cls, module: Qwen3NextAttention) -> IsoQwen3NextAttention:
+        """Make a `Qwen3NextAttention` vLLM built (inside IsoExec's own model class,
+        `isoexec.vllm.qwen3_next`) this class: same parameters and state, the canonical gate."""
+        if type(module) is not Qwen3NextAttention:
+            raise TypeError(f"cannot adopt a {type(module).__name__}")
+        module.__class__ = cls
+        adopted: IsoQwen3NextAttention = module  # type: ignore[assignment]
+        adopted._make_canonical()
+        return adopted
+
+    def _make_canonical(self) -> None:
         self._take_unfused_path()
         # the gate has one implementation, torch's, on every backend (as on the trainer)
         gate = engine_binding("attn_output_gate", backend="torch", impl=ATTN_OUTPUT_GATE_IMPL)
@@ -277,24 +291,11 @@ class IsoQwen3NextAttention(Qwen3NextAttention):
         return output
 
 
-def _install_qwen3_next_attention() -> None:
-    """Make Qwen3-Next decoder layers build `IsoQwen3NextAttention`.
-
-    `Qwen3NextAttention` is a plain `nn.Module` (no CustomOp / PluggableLayer) and applies its
-    output gate inline, so vLLM has no extension point for it short of replacing the whole
-    model class. This rebinds the one module-global name the decoder layer constructs it
-    through, before any model is built (same technique as `sampler.install_sampler`).
-    """
-    from isoexec.vllm.patches import rebind_qwen3_next_attention
-
-    rebind_qwen3_next_attention(IsoQwen3NextAttention)
-
-
 def register_gdn() -> None:
-    """Register the GDN layer, the gated norm and the attention gate. Before model build."""
+    """Register the GDN layer and the gated norm. Before model build. (The gated attention
+    comes with IsoExec's model classes: `qwen3_next`, `qwen3_5`.)"""
     PluggableLayer.register_oot(name="QwenGatedDeltaNetAttention")(IsoQwenGatedDeltaNetAttention)
     CustomOp.register_oot(name="RMSNormGated")(IsoRMSNormGated)
-    _install_qwen3_next_attention()
 
 
 def worker_output_gates(worker: Any) -> dict[str, str]:

@@ -57,13 +57,6 @@ def rebind_sampler(sampler_cls: type) -> None:
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 
 
-def rebind_qwen3_next_attention(attention_cls: type) -> None:
-    """Make Qwen3-Next decoder layers build `attention_cls` (before any model is built)."""
-    import vllm.model_executor.models.qwen3_next as qwen3_next
-
-    _rebind("qwen3_next_attention", qwen3_next, "Qwen3NextAttention", attention_cls)
-
-
 def select_punica_wrapper(qualname: str) -> None:
     """Make vLLM's LoRA layers build the punica wrapper `qualname` (before the LoRA manager)."""
     from vllm.platforms import current_platform
@@ -185,7 +178,6 @@ __all__ = [
     "VllmVersionError",
     "admit_lora_requests",
     "gate_adapter_loads",
-    "rebind_qwen3_next_attention",
     "rebind_sampler",
     "select_punica_wrapper",
     "text_only_config_hook",

@@ -126,6 +126,17 @@ def rope_has_mrope(config: Any) -> bool:
     return "mrope_section" in params
 
 
+def _gated_attention_class() -> type[nn.Module]:
+    """The gated full attention this engine builds: IsoExec's with ISOEXEC=1, else vLLM's."""
+    from isoexec.contract.switch import isoexec_enabled
+
+    if isoexec_enabled():
+        from isoexec.vllm.gdn import IsoQwen3NextAttention
+
+        return IsoQwen3NextAttention
+    return qwen3_next.Qwen3NextAttention
+
+
 class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
     """One Qwen3.5 text layer: GDN (split-projection layout) or gated attention; a dense MLP
     (Qwen3.5) or the sparse block with a shared expert (Qwen3.5-MoE).
@@ -152,9 +163,9 @@ class IsoQwen3_5DecoderLayer(Qwen3NextDecoderLayer):
                 gqa_interleaved_layout=False,
             )
         elif layer_type == "full_attention":
-            # Looked up at build time: with ISOEXEC=1 the plugin has made it IsoExec's
-            # position-invariant gated attention (`gdn.IsoQwen3NextAttention`), else stock.
-            self.self_attn = qwen3_next.Qwen3NextAttention(
+            # With ISOEXEC=1 IsoExec's position-invariant gated attention
+            # (`gdn.IsoQwen3NextAttention`), else stock.
+            self.self_attn = _gated_attention_class()(
                 config,
                 model_config=model_config,
                 cache_config=vllm_config.cache_config,

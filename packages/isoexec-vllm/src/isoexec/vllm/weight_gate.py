@@ -155,7 +155,8 @@ def _fingerprint(model: Any) -> str | None:
 GATED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "vllm.model_executor.models.qwen3:Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM": "vllm.model_executor.models.qwen3_moe:Qwen3MoeForCausalLM",
-    "Qwen3NextForCausalLM": "vllm.model_executor.models.qwen3_next:Qwen3NextForCausalLM",
+    # IsoExec's own class (its gated attention canonical), gated like the others
+    "Qwen3NextForCausalLM": "isoexec.vllm.qwen3_next:IsoQwen3NextForCausalLM",
 }
 
 
