@@ -23,7 +23,7 @@ from .. import _pointwise as _torch_pointwise
 from .. import gemm as _torch_gemm
 from .. import logprobs as _torch_logprobs
 from .. import rope as _torch_rope
-from . import _runtime, attention, elementwise, gdn, gemm, logprobs, moe, norm
+from . import _runtime, attention, elementwise, gdn, gemm, logprobs, moe, moe_grouped, norm
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .elementwise import apply_rope, rope_cos_sin, rope_inv_freq, silu_mul
 from .gdn import gdn_conv, gdn_recurrence
@@ -130,7 +130,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
         "isoexec.moe_combine.triton_ascending",
         1,
         {"order": "ascending-expert", "accum": "fp32", "block": moe.COMBINE_BLOCK, **_GEMM},
-        (moe, gemm, elementwise),
+        (moe, moe_grouped, gemm, elementwise),
     ),
     "gdn_conv": (
         "isoexec.gdn_conv.triton_shifted_sum",

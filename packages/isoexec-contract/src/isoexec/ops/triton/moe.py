@@ -18,6 +18,7 @@ from .. import moe as _torch_moe
 from ._runtime import check_device, pow2, store_rounded, with_torch_backward
 from .elementwise import silu_mul
 from .gemm import linear
+from .moe_grouped import grouped_experts
 
 COMBINE_BLOCK = 1024
 
@@ -176,9 +177,34 @@ def moe_experts(
     *,
     first_expert: int = 0,
 ) -> torch.Tensor:
-    """Expert outputs [T, k, H]: y = w2[e] · silu_mul(w13[e] · x) per (t, slot), experts in
-    ascending id, each over the tokens routed to it (row-invariant Triton linear). Experts
-    outside `first_expert ..` leave their slots -0.0 (see the torch `moe_experts`)."""
+    """Expert outputs [T, k, H]: y = w2[e] · silu_mul(w13[e] · x) per (t, slot), each row with
+    the bits of the row-invariant Triton `linear` of its expert (`moe_experts_by_expert`).
+    Experts outside `first_expert ..` leave their slots -0.0 (see the torch `moe_experts`).
+
+    One grouped launch per GEMM with the routing on the device (`moe_grouped`): no host sync,
+    so the op runs inside a CUDA graph. Backward: the per-expert loop's, under autograd.
+    """
+
+    def run(a: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return grouped_experts(a, topk_ids, w_up, w_down, silu_mul, first_expert=first_expert)
+
+    def ref(a: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        return moe_experts_by_expert(a, topk_ids, w_up, w_down, first_expert=first_expert)
+
+    return with_torch_backward(run, ref, x, w13, w2)  # type: ignore[return-value]
+
+
+def moe_experts_by_expert(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    *,
+    first_expert: int = 0,
+) -> torch.Tensor:
+    """The same outputs by a loop over the routed experts in ascending id, each over the tokens
+    routed to it. It reads the routing on the host (not CUDA-graph safe): the reference the
+    grouped launch is checked against, and the differentiable path of its backward."""
     t, k = topk_ids.shape
     out = x.new_full((t, k, w2.shape[1]), -0.0)
     flat = topk_ids.reshape(-1)
