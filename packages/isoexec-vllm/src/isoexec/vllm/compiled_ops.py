@@ -24,11 +24,18 @@ import torch
 from torch import Tensor
 
 from isoexec import ops
+from isoexec.ops.capture_guard import capture_guard_enabled, run_guarded
 from isoexec.ops.rope import rope_cos_sin_table
 
 
 def _mod(backend: str) -> ModuleType:
     return ops.backend_ops(backend)
+
+
+def _call(backend: str, name: str, *args: Any, **kwargs: Any) -> Any:
+    """The backend's op `name`, run under the capture guard when it is on: every op here but
+    the LoRA ones is one vLLM may capture in a CUDA graph (`graph_safety.SPLITTING_OPS`)."""
+    return run_guarded(getattr(_mod(backend), name), *args, **kwargs)
 
 
 def _own(out: Tensor, *inputs: Tensor | None) -> Tensor:
@@ -42,7 +49,7 @@ def _own(out: Tensor, *inputs: Tensor | None) -> Tensor:
 # ---- norms -----------------------------------------------------------------------------------
 @torch.library.custom_op("isoexec::rms_norm", mutates_args=())
 def _rms_norm(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
-    out = _mod(backend).rms_norm(x, weight, eps, zero_centered=zero_centered)
+    out = _call(backend, "rms_norm", x, weight, eps, zero_centered=zero_centered)
     return _own(out, x, weight)
 
 
@@ -55,7 +62,9 @@ def _(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) 
 def _rms_norm_residual(
     backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor
 ) -> tuple[Tensor, Tensor]:
-    y, r = _mod(backend).rms_norm(x, weight, eps, zero_centered=zero_centered, residual=residual)
+    y, r = _call(
+        backend, "rms_norm", x, weight, eps, zero_centered=zero_centered, residual=residual
+    )
     return _own(y, x, weight, residual), _own(r, x, weight, residual)
 
 
@@ -68,7 +77,7 @@ def _(
 
 @torch.library.custom_op("isoexec::gated_rms_norm", mutates_args=())
 def _gated_rms_norm(backend: str, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
-    return _own(_mod(backend).gated_rms_norm(x, z, weight, eps), x, z, weight)
+    return _own(_call(backend, "gated_rms_norm", x, z, weight, eps), x, z, weight)
 
 
 @_gated_rms_norm.register_fake
@@ -83,7 +92,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
 
 @torch.library.custom_op("isoexec::linear", mutates_args=())
 def _linear(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return _own(_mod(backend).linear(x, weight, bias), x, weight, bias)
+    return _own(_call(backend, "linear", x, weight, bias), x, weight, bias)
 
 
 @_linear.register_fake
@@ -93,7 +102,7 @@ def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
 
 @torch.library.custom_op("isoexec::linear_tp_invariant", mutates_args=())
 def _linear_tp_invariant(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return _own(_mod(backend).linear_tp_invariant(x, weight, bias), x, weight, bias)
+    return _own(_call(backend, "linear_tp_invariant", x, weight, bias), x, weight, bias)
 
 
 @_linear_tp_invariant.register_fake
@@ -109,7 +118,7 @@ def _linear_tp_shard(
     inside the op (an exact all-gather), so the collective is part of the opaque call."""
     from isoexec.vllm.collectives import gather_leaves
 
-    out = _mod(backend).linear_tp_shard(x, weight, bias, tp=tp, all_gather=gather_leaves)
+    out = _call(backend, "linear_tp_shard", x, weight, bias, tp=tp, all_gather=gather_leaves)
     return _own(out, x, weight, bias)
 
 
@@ -121,7 +130,7 @@ def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None, tp: int) -> 
 # ---- activation, rope, gate ------------------------------------------------------------------
 @torch.library.custom_op("isoexec::silu_mul", mutates_args=())
 def _silu_mul(backend: str, x: Tensor) -> Tensor:
-    return _own(_mod(backend).silu_mul(x), x)
+    return _own(_call(backend, "silu_mul", x), x)
 
 
 @_silu_mul.register_fake
@@ -134,12 +143,15 @@ def _rope(
     backend: str, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
 ) -> Tensor:
     """RoPE on x [T, heads * head_size] (or any shape with T rows) at `positions` [T]."""
-    o = _mod(backend)
     # on CPU by table lookup (the same bits; every backend's table is the torch canonical
-    # `rope_cos_sin`); on CUDA computed in place (a lookup's size check would sync the step)
-    table = rope_cos_sin_table if positions.device.type == "cpu" else o.rope_cos_sin
-    cos, sin = table(positions.reshape(-1), rotary_dim, base)
-    out = o.apply_rope(x.reshape(cos.shape[0], -1, head_size), cos, sin, rotary_dim)
+    # `rope_cos_sin`); on CUDA, and under the capture guard, computed in place (the lookup's
+    # size check reads the positions on the host, which a CUDA graph cannot hold)
+    pos = positions.reshape(-1)
+    if positions.device.type != "cpu" or capture_guard_enabled():
+        cos, sin = _call(backend, "rope_cos_sin", pos, rotary_dim, base)
+    else:
+        cos, sin = rope_cos_sin_table(pos, rotary_dim, base)
+    out = _call(backend, "apply_rope", x.reshape(cos.shape[0], -1, head_size), cos, sin, rotary_dim)
     return _own(out.reshape(x.shape), x)
 
 
@@ -152,7 +164,7 @@ def _(
 
 @torch.library.custom_op("isoexec::attn_output_gate", mutates_args=())
 def _attn_output_gate(backend: str, out: Tensor, gate: Tensor) -> Tensor:
-    return _own(_mod(backend).attn_output_gate(out, gate), out, gate)
+    return _own(_call(backend, "attn_output_gate", out, gate), out, gate)
 
 
 @_attn_output_gate.register_fake
@@ -165,7 +177,7 @@ def _(backend: str, out: Tensor, gate: Tensor) -> Tensor:
 def _moe_router(
     backend: str, logits: Tensor, top_k: int, renormalize: bool
 ) -> tuple[Tensor, Tensor]:
-    w, ids = _mod(backend).moe_router(logits, top_k, renormalize=renormalize)
+    w, ids = _call(backend, "moe_router", logits, top_k, renormalize=renormalize)
     return _own(w, logits), _own(ids, logits)
 
 
@@ -190,8 +202,8 @@ def _moe_combine(
     shared_w2: Tensor | None,
     shared_gate_w: Tensor | None,
 ) -> Tensor:
-    out = _mod(backend).moe_combine(
-        x, topk_weights, topk_ids, w13, w2,
+    out = _call(
+        backend, "moe_combine", x, topk_weights, topk_ids, w13, w2,
         shared_w13=shared_w13, shared_w2=shared_w2, shared_gate_w=shared_gate_w,
     )  # fmt: skip
     return _own(out, x)

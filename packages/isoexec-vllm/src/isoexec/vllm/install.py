@@ -15,6 +15,7 @@ def install_plugin() -> None:
         return
     # This process owns every weight write (vLLM's loaders, IsoExec's weight sync), and both
     # paths clear the cache after writing: see `ops.gemm.enable_packed_weight_cache`.
+    from isoexec.ops.capture_guard import capture_guard_enabled
     from isoexec.ops.gemm import enable_packed_weight_cache
     from isoexec.vllm.adapter_gate import (
         check_adapter_load,
@@ -25,6 +26,7 @@ def install_plugin() -> None:
     from isoexec.vllm.attention import register_attention
     from isoexec.vllm.cuda_attention import register_cuda_attention
     from isoexec.vllm.gdn import register_gdn
+    from isoexec.vllm.graph_safety import add_splitting_ops
     from isoexec.vllm.layers import register_layers
     from isoexec.vllm.logprobs import install_sampler
     from isoexec.vllm.lora import PUNICA_WRAPPER
@@ -41,10 +43,12 @@ def install_plugin() -> None:
         register_gated_models,
     )
 
+    capture_guard_enabled()  # a malformed ISOEXEC_CAPTURE_GUARD refuses before any model is built
     enable_packed_weight_cache()
     register_layers()
     register_moe()
     register_gdn()
+    add_splitting_ops()  # CUDA graphs: ops that read step metadata run between the pieces
     register_attention()
     register_cuda_attention()  # CUDA: every decoder backend vLLM may pick, and CUSTOM
     register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
