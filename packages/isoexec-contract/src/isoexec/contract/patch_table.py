@@ -32,6 +32,9 @@ _ENGINE = (
     ("lora_admission", "InputProcessor._validate_lora, LLMEngine/AsyncLLM.add_lora/remove_lora",
      "the frontend validates and adds adapters with no hook: a request may name only an "
      "adapter that passed the gate"),
+    ("splitting_ops", "vllm.config.compilation.CompilationConfig._attention_ops",
+     "vLLM's default splitting ops are this class list, with no registration; IsoExec's GDN "
+     "core and LoRA ops read step metadata and must run between CUDA graph pieces"),
 )  # fmt: skip
 
 _TRAINER = (

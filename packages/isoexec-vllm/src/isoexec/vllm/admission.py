@@ -131,11 +131,12 @@ def check_request(params: SamplingParams) -> None:
 def refused_engine_settings(vllm_config: Any) -> list[str]:
     """The engine settings that change the bits without the contract recording them."""
     from isoexec.ops.call_verify import VERIFY_CALLS_ENV, verify_calls_enabled
+    from isoexec.vllm.graph_safety import refused_graph_settings
     from isoexec.vllm.lora import refused_lora_settings
     from isoexec.vllm.weight_gate import GATED_TRANSFER_BACKENDS
 
     model = vllm_config.model_config
-    out = refused_lora_settings(vllm_config)
+    out = refused_lora_settings(vllm_config) + refused_graph_settings(vllm_config)
     if vllm_config.speculative_config is not None:
         out.append("speculative decoding: the verification forward is not canonical yet")
     if model.quantization is not None:
