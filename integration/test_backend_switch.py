@@ -18,6 +18,7 @@ from _pairing import aligned_logprobs, scoring_jobs
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.options import IsoExecOptions
+from isoexec.ops.capture_guard import CAPTURE_GUARD_ENV
 from isoexec.tools.pair import handshake
 from isoexec.vllm.engine_process import SamplingSpec
 
@@ -38,7 +39,8 @@ def triton_run(
     model = model_factory("tiny-dense", "float32")
     engine = engine_pool(
         model=model, dtype="float32", isoexec=True, options=TRITON,
-        extra_env=tuple(INTERPRET.items()),
+        # The capture guard on: no captured op syncs with the host (test_capture_guard_engines).
+        extra_env=(*INTERPRET.items(), (CAPTURE_GUARD_ENV, "1")),
         # vLLM's warm-up forward has max_num_batched_tokens rows: keep it small, interpreted.
         max_model_len=128, max_num_batched_tokens=32, kv_cache_bytes=8 * 2**20,
     )  # fmt: skip

@@ -15,7 +15,12 @@ from _triton_testlib import CUDA, HAVE_TRITON
 from tests._support.interpreter import pytest_under_interpreter
 
 HERE = Path(__file__).resolve().parent
-MODULES = ["test_kernels.py", "test_negative_controls.py", "test_paged_cache.py"]
+MODULES = [
+    "test_kernels.py",
+    "test_negative_controls.py",
+    "test_paged_cache.py",
+    "test_graph_safety.py",
+]
 
 
 @pytest.mark.skipif(not HAVE_TRITON, reason="triton is not installed")
