@@ -154,3 +154,49 @@ def test_run_arm_puts_the_trainer_on_the_device_with_the_engines_options(
         pair.run_arm(pair.PairRun(str(tmp_path), "bfloat16", num_prompts=2, max_tokens=2,
                                   device="cuda"), isoexec=True)  # fmt: skip
     assert seen == {}
+
+
+@NO_CUDA
+@pytest.mark.parametrize(
+    ("arms", "says"),
+    [
+        ("isoexec,stok", "known arms isoexec, stock, upstream-bi"),  # never run as stock
+        ("isoexec,upstream-bi", "upstream-bi needs --device cuda"),
+    ],
+)
+def test_arms_refused_before_anything_starts(tmp_path: Path, arms: str, says: str) -> None:
+    out = tmp_path / "run"
+    r = _pair("--arms", arms, "--out", str(out))
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert says in r.stdout and "starting the engine" not in r.stdout, r.stdout
+    assert not out.exists()
+
+
+def test_upstream_bi_arm_settings_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The upstream-bi arm is the stock arm with vLLM's batch-invariant mode in the engine's
+    environment; on CUDA it is refused only with a multi-rank trainer, LoRA or --locate."""
+    from isoexec.tools.pair_setup import (
+        ENGINE_GPU_SHARE,
+        PairRun,
+        PairSetupError,
+        arm_settings,
+        check_arms,
+    )
+
+    cpu = PairRun(model_dir="m")
+    with pytest.raises(PairSetupError, match="CUDA-only"):
+        check_arms(["upstream-bi"], cpu)
+    check_arms(["isoexec", "stock"], cpu)
+    gpu = PairRun(model_dir="m", device="cuda")
+    check_arms(["isoexec", "stock", "upstream-bi"], gpu)
+    with pytest.raises(PairSetupError, match="in-process trainer"):
+        check_arms(["upstream-bi"], PairRun(model_dir="m", device="cuda", trainer_tp=2))
+    options, cfg = arm_settings(gpu, isoexec=False, upstream_bi=True)
+    assert cfg.extra_env == (("VLLM_BATCH_INVARIANT", "1"),) and not cfg.isoexec
+    assert options == IsoExecOptions(backend="torch")
+    _, stock = arm_settings(gpu, isoexec=False)
+    assert stock.extra_env == ()
+    with pytest.raises(ValueError, match="upstream_bi is a stock arm"):
+        arm_settings(gpu, isoexec=True, upstream_bi=True)
+    assert cfg.gpu_memory_utilization == ENGINE_GPU_SHARE  # beside the trainer on one GPU
+    assert arm_settings(cpu, isoexec=True)[1].gpu_memory_utilization is None

@@ -67,6 +67,10 @@ _TRAINER = (
     ("rope_calls_traced", "megatron.core.transformer.attention.apply_rotary_pos_emb",
      "tracing a native model only (`isoexec locate`): its RoPE has no module, so a hook cannot "
      "see it; rebound for the length of a trace (IsoExec's RoPE is a module)"),
+    ("batch_invariant_without_te", "batch_invariant_kernels._te_patch_for_batch_invariant, "
+     "_te_unpatch_for_batch_invariant", "the upstream-bi arm only, for its length: Megatron's "
+     "batch_invariant_mode imports Transformer Engine unconditionally; a TE-less native model "
+     "has no TE layer to patch"),
 )  # fmt: skip
 
 DECLARED: tuple[PatchEntry, ...] = tuple(

@@ -44,7 +44,10 @@ from isoexec.tools.pair_setup import (
     PairRun,
     PairSetupError,
     arm_settings,
+    check_arms,
     check_setup,
+    free_device_memory,
+    trainer_mode,
 )
 from isoexec.tools.pair_steps import (
     _group,
@@ -65,7 +68,7 @@ TEMPERATURES = (1.0, 0.7)
 LOCATE_SEQUENCES = 2  # prompts traced by --locate: a long shared-prefix one and a short one
 
 
-def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
+def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmResult:
     """One arm of `run`. An engine TP above 1 runs vLLM's executor; a trainer of
     trainer_tp x trainer_pp > 1 scores on a torchrun world of that many ranks (pipeline stages
     through Megatron's schedule), each offering its own contract. With a TP above 1 the
@@ -75,7 +78,8 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
     checked (`check_setup`) before the engine starts. With `run.lora` (a PEFT adapter
     directory) the isoexec arm attaches it to the trainer, loads it into the engine through the
     adapter gate after MATCH, runs both canaries under it and samples every prompt under it
-    (TP=1, the in-process trainer; the stock arm has no trainer LoRA to compare with)."""
+    (TP=1, the in-process trainer; the stock arm has no trainer LoRA to compare with).
+    `upstream_bi`: the stock arm in vLLM's and Megatron-core's own batch-invariant modes."""
     import torch
 
     from isoexec.megatron import (
@@ -87,12 +91,13 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
     )
 
     check_setup(run.device, run.backend, trainer_ranks=run.trainer_ranks)
+    check_arms(["upstream-bi" if upstream_bi else "isoexec" if isoexec else "stock"], run)
     hf_config = json.loads((Path(run.model_dir) / "config.json").read_text())
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[run.dtype]
     vocab = int(text_config(hf_config)["vocab_size"])
     prompts = make_prompts(run.num_prompts, vocab, run.seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
-    arm = "isoexec" if isoexec else "stock"
+    arm = "isoexec" if isoexec else ("upstream-bi" if upstream_bi else "stock")
     lora_rank = None
     if run.lora is not None:
         if not isoexec:
@@ -101,7 +106,9 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         if max(run.engine_tp, run.trainer_ranks) > 1:
             raise LoraArmError("--lora runs the engine and the trainer at TP=1, PP=1")
         lora_rank = lora_rank_for(run.lora)
-    options, engine_cfg = arm_settings(run, isoexec=isoexec, lora_rank=lora_rank)
+    options, engine_cfg = arm_settings(
+        run, isoexec=isoexec, lora_rank=lora_rank, upstream_bi=upstream_bi
+    )
     model_dir, dtype, device, max_tokens = run.model_dir, run.dtype, run.device, run.max_tokens
     locate_dir, lora = run.locate_dir, run.lora
     if run.trainer_ranks > 1:
@@ -140,10 +147,11 @@ def run_arm(run: PairRun, *, isoexec: bool) -> ArmResult:
         timings["sampling"] = time.monotonic() - t0
         progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
-        scored = {
-            t: score(model, _group(completions, temps, t), temperature=t)
-            for t in sorted(set(temps))
-        }
+        with trainer_mode(upstream_bi):
+            scored = {
+                t: score(model, _group(completions, temps, t), temperature=t)
+                for t in sorted(set(temps))
+            }
         timings["scoring"] = time.monotonic() - t0
         train, eng = align(completions, temps, scored)
         fingerprints = weight_fingerprints(model, engine, adapter if isoexec else None)
@@ -295,7 +303,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/pair", help="where the model and results go")
-    p.add_argument("--arms", default="isoexec,stock", help="comma list of isoexec,stock")
+    p.add_argument(
+        "--arms",
+        default="isoexec,stock",
+        help="comma list of isoexec, stock, upstream-bi (vLLM's and Megatron's own "
+        "batch-invariant modes; CUDA only)",
+    )
     p.add_argument(
         "--engine-tp",
         type=int,
@@ -380,7 +393,7 @@ def _run_named_arm(run: PairRun, arm: str) -> ArmResult:
     from isoexec.vllm.engine_process import EngineError
 
     try:
-        return run_arm(run, isoexec=arm == "isoexec")
+        return run_arm(run, isoexec=arm == "isoexec", upstream_bi=arm == "upstream-bi")
     except LoraArmError as e:
         if arm == "isoexec":
             raise
@@ -390,6 +403,8 @@ def _run_named_arm(run: PairRun, arm: str) -> ArmResult:
             raise
         last = [line for line in str(e).strip().splitlines() if line.strip()][-1:]
         return ArmResult(arm, "n/a", 0, 0, float("nan"), float("nan"), error=" ".join(last))
+    finally:
+        free_device_memory(run.device)  # the next arm's engine finds the GPU's memory free
 
 
 def run(args: argparse.Namespace) -> int:
@@ -403,6 +418,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:  # before anything starts (no model made, no engine)
         check_setup(args.device, args.backend, trainer_ranks=args.trainer_tp * args.trainer_pp)
+        check_arms(args.arms.split(","), PairRun.from_args(args, ""))
     except PairSetupError as e:
         print(f"isoexec pair: {e}", flush=True)
         return 2

@@ -16,6 +16,14 @@ from typing import Any
 
 DEVICES = ("cpu", "cuda")  # where the trainer runs (`megatron_parallel(device=)`)
 BACKENDS = ("torch", "triton")  # `IsoExecOptions.backend` (`isoexec.ops.BACKENDS`)
+# isoexec: IsoExec on both sides. stock: both sides as upstream ships them. upstream-bi: both
+# sides in upstream's own batch-invariant modes (vLLM's VLLM_BATCH_INVARIANT=1, Megatron-core's
+# batch_invariant_mode), the arm IsoExec is measured against.
+ARMS = ("isoexec", "stock", "upstream-bi")
+# On CUDA the engine and the trainer share one GPU: the engine may claim this share at start
+# (vLLM's own default, 0.9, would refuse to start beside the trainer or the last family's).
+ENGINE_GPU_SHARE = 0.3
+UPSTREAM_BI_ENV = (("VLLM_BATCH_INVARIANT", "1"),)
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,27 @@ class PairSetupError(ValueError):
     """A device / backend combination `isoexec pair` cannot run; said before anything starts."""
 
 
+def check_arms(arms: list[str], run: PairRun) -> None:
+    """Refuse an arm `isoexec pair` does not know (never run it as another), and the
+    upstream-bi arm where upstream's modes cannot run, with the reason."""
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise PairSetupError(f"--arms {','.join(arms)!r}: known arms {', '.join(ARMS)}")
+    if "upstream-bi" not in arms:
+        return
+    if run.device != "cuda":
+        raise PairSetupError(
+            "--arms upstream-bi needs --device cuda: Megatron-core's batch_invariant_mode "
+            "kernels are CUDA-only (they assert CUDA tensors) and vLLM's VLLM_BATCH_INVARIANT "
+            "replaces CUDA kernels; on CPU there is no upstream batch-invariant arm to run"
+        )
+    if run.trainer_ranks > 1 or run.lora is not None or run.locate:
+        raise PairSetupError(
+            "--arms upstream-bi runs the in-process trainer without LoRA or --locate "
+            "(--trainer-tp/-pp 1)"
+        )
+
+
 def check_setup(device: str, backend: str, *, trainer_ranks: int = 1) -> None:
     """Refuse a trainer `device` and kernel `backend` that cannot work here, with the reason:
     CUDA asked for but absent (or fewer devices than trainer ranks); the CPU trainer on a
@@ -106,28 +135,71 @@ def check_setup(device: str, backend: str, *, trainer_ranks: int = 1) -> None:
         )
 
 
-def arm_settings(run: PairRun, *, isoexec: bool, lora_rank: int | None = None) -> tuple[Any, Any]:
+def arm_settings(
+    run: PairRun, *, isoexec: bool, lora_rank: int | None = None, upstream_bi: bool = False
+) -> tuple[Any, Any]:
     """(the trainer's `IsoExecOptions`, the engine's `EngineConfig` holding the same options)
     for one arm of `run`. The isoexec arm runs the run's backend on both sides (and
     `tp_invariant` with a TP above 1, the only canonical form across TP degrees); the stock arm
-    is stock on both sides, whatever the backend. `--locate` traces the engine per site: its
+    is stock on both sides, whatever the backend; `upstream_bi` is the stock arm with vLLM's
+    batch-invariant mode on in the engine's environment. `--locate` traces the engine per site: its
     module hooks need eager mode (compiled and eager engines compute the same bits,
     tests/vllm/test_compiled_engine.py). `lora_rank`: the engine's max_lora_rank (LoRA on)."""
     from isoexec.contract.options import IsoExecOptions
     from isoexec.vllm.engine_process import EngineConfig
 
+    if isoexec and upstream_bi:
+        raise ValueError("arm_settings: upstream_bi is a stock arm (isoexec=False)")
     options = IsoExecOptions(
         tp_invariant=isoexec and max(run.engine_tp, run.trainer_tp) > 1,
         backend=run.backend if isoexec else "torch",
     )
-    arm = "isoexec" if isoexec else "stock"
+    arm = "isoexec" if isoexec else ("upstream-bi" if upstream_bi else "stock")
     engine_cfg = EngineConfig(
         model=run.model_dir, dtype=run.dtype, isoexec=isoexec, seed=run.seed,
         max_num_batched_tokens=128, options=options, tensor_parallel_size=run.engine_tp,
         enforce_eager=run.locate, log_file=run.engine_log(arm),
         lora=None if lora_rank is None else (lora_rank, 1),
+        extra_env=UPSTREAM_BI_ENV if upstream_bi else (),
+        gpu_memory_utilization=ENGINE_GPU_SHARE if run.device == "cuda" else None,
     )  # fmt: skip
     return options, engine_cfg
 
 
-__all__ = ["BACKENDS", "DEVICES", "PairRun", "PairSetupError", "arm_settings", "check_setup"]
+def free_device_memory(device: str) -> None:
+    """After an arm on CUDA: give the trainer's cached blocks back to the driver, so the next
+    arm's engine finds the memory free (its engine has shut down already: `EngineProcess`
+    closes and waits for its process group)."""
+    if device == "cuda":
+        import gc
+
+        import torch
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def trainer_mode(upstream_bi: bool) -> Any:
+    """Megatron-core's own batch-invariant mode around the upstream-bi arm's scoring."""
+    import contextlib
+
+    if not upstream_bi:
+        return contextlib.nullcontext()
+    from isoexec.megatron.upstream_bi import megatron_batch_invariant_mode
+
+    return megatron_batch_invariant_mode()
+
+
+__all__ = [
+    "ARMS",
+    "BACKENDS",
+    "DEVICES",
+    "ENGINE_GPU_SHARE",
+    "PairRun",
+    "PairSetupError",
+    "arm_settings",
+    "check_arms",
+    "check_setup",
+    "free_device_memory",
+    "trainer_mode",
+]
