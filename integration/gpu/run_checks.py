@@ -223,16 +223,21 @@ def pair_rows(
             rows.append(Row("pair", f"{fam} {dtype}", "SKIP", "time budget spent"))
             continue
         try:
-            from isoexec.tools.pair import run_arm
+            from isoexec.tools.pair import PairRun, run_arm
+            from isoexec.tools.pair_setup import free_device_memory
             from isoexec.tools.tiny_models import make_tiny_model
 
             model_dir = str(make_tiny_model(fam, tmp / f"{fam}-{dtype}", dtype=dtype))
+            run = PairRun(
+                model_dir=model_dir, dtype=dtype, num_prompts=6, max_tokens=8, seed=0,
+                backend="triton", device=device, out=tmp / f"{fam}-{dtype}-run",
+            )  # fmt: skip
             arms = [True, False] if stock else [True]
             for iso in arms:
-                res = run_arm(
-                    model_dir, dtype, isoexec=iso, num_prompts=6, max_tokens=8, seed=0,
-                    backend="triton", device=device,
-                )  # fmt: skip
+                try:
+                    res = run_arm(run, isoexec=iso)
+                finally:  # the next family's engine must find the GPU's memory free
+                    free_device_memory(device)
                 eq = res.bitwise_equal == res.tokens and res.tokens > 0
                 detail = (
                     f"{res.bitwise_equal}/{res.tokens} bitwise, max|Δ| {res.max_abs_diff:.2e}, "

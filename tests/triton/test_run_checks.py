@@ -48,3 +48,27 @@ def test_table_and_per_row_failure_under_the_interpreter() -> None:
     lines = out.splitlines()
     assert any(line.startswith("kernel linear") and " PASS " in line for line in lines), out
     assert any(line.startswith("pair nope") and " ERROR " in line for line in lines), out
+
+
+def test_pair_rows_call_run_arm_as_it_is_today(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pair section drives `isoexec.tools.pair.run_arm` with a `PairRun` (a signature
+    drift would only show on the GPU, where every try counts). No engine: run_arm is faked."""
+    import time
+    from types import SimpleNamespace
+
+    from isoexec.tools import pair
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import run_checks
+
+    calls = []
+
+    def fake_run_arm(run: pair.PairRun, *, isoexec: bool) -> SimpleNamespace:
+        calls.append((run, isoexec))
+        return SimpleNamespace(bitwise_equal=5, tokens=5, max_abs_diff=0.0, handshake="MATCH")
+
+    monkeypatch.setattr(pair, "run_arm", fake_run_arm)
+    rows = run_checks.pair_rows(["tiny-dense"], "float32", time.monotonic() + 60, False, "cpu")
+    assert [r.result for r in rows] == ["PASS"], rows
+    ((run, iso),) = calls
+    assert iso and run.backend == "triton" and run.device == "cpu" and run.dtype == "float32"

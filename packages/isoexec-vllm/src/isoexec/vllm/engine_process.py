@@ -45,6 +45,9 @@ class EngineConfig:
     # KV cache reserved up front. vLLM-CPU's own knob is whole GiB per engine, which a test
     # suite running several engines cannot afford; tiny models need a few MiB.
     kv_cache_bytes: int = 128 * 2**20
+    # CUDA: the share of the GPU's memory vLLM requires free at start (its default, 0.9,
+    # refuses to start beside a trainer on the same GPU); None: vLLM's default. Unused on CPU.
+    gpu_memory_utilization: float | None = None
     seed: int = 0
     # vLLM's logprobs mode; None: the options' (`processed_logprobs` unless they say raw), the
     # logprobs of the distribution actually sampled from (after temperature), what PPO needs.
@@ -316,6 +319,8 @@ class _Handler:
             kwargs["mamba_ssm_cache_dtype"] = "float32"
         elif config.options != IsoExecOptions() or config.handshake is not None:
             raise ValueError("IsoExec options or handshake without isoexec=True: silently unused")
+        if config.gpu_memory_utilization is not None:
+            kwargs["gpu_memory_utilization"] = config.gpu_memory_utilization
         if config.tensor_parallel_size > 1:
             kwargs["tensor_parallel_size"] = config.tensor_parallel_size
             kwargs["distributed_executor_backend"] = "mp"
