@@ -19,9 +19,11 @@ exists, and `OUT/table.txt` is rewritten, so a timeout still returns what ran:
   speed    (d) Triton kernel time / the native op at Qwen3-8B and 30B-A3B layer shapes, and
            the IsoExec trainer's scoring time / native Megatron under its own
            `batch_invariant_mode` (the upstream arm this device can run: no vLLM here).
-Not here: (c) the engine-side op sequence without vLLM (paged prefill then step decode
-against the trainer's scoring) is not built yet; the engine on CUDA is the H100 pipeline's
-(`ci/gpu-pipeline.yml`). Sections left when `--budget-s` is spent are SKIP rows.
+  engine-style (c) per family and dtype, the same model driven as an engine drives its model
+           (`isoexec.megatron.engine_style`: paged KV cache, prefill then one token per step,
+           GDN states updated in place, MoE on the step's rows): bitwise the trainer's scoring.
+           vLLM's own code on CUDA is the H100 pipeline's (`ci/gpu-pipeline.yml`).
+Sections left when `--budget-s` is spent are SKIP rows.
 
 Exit status: 1 an invariance failed, 2 a check errored or was inaccurate, 0 otherwise.
 `--device cpu` under TRITON_INTERPRET=1 with `--dry-run` (tiny sizes) is how CI tests it;
@@ -194,13 +196,14 @@ def trainer_rows(family: str, dtype_name: str, device: str, work: Path, dry: boo
 
     from isoexec.contract.options import IsoExecOptions
     from isoexec.megatron import build_model, megatron_parallel, trainer_contract
+    from isoexec.megatron.engine_style import EngineStyleDecode
     from isoexec.megatron.scoring import score
     from isoexec.megatron.weights import load_hf_weights
     from isoexec.tools.tiny_models import make_tiny_model
 
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     model_dir = make_tiny_model(family, work / f"{family}-{dtype_name}", dtype=dtype_name)
-    lengths = (3, 9, 17) if dry else (5, 17, 33, 64, 130)
+    lengths = (4, 11) if dry else (5, 17, 33, 64, 130)
     with megatron_parallel(device=device):
         model = build_model(str(model_dir), isoexec=True, dtype=dtype,
                             options=IsoExecOptions(backend="triton"))  # fmt: skip
@@ -208,6 +211,8 @@ def trainer_rows(family: str, dtype_name: str, device: str, work: Path, dry: boo
         backends = {s.impl.backend for s in trainer_contract(model, str(model_dir), dtype).sites}
         seqs = _sequences(int(model.vocab_size), lengths, seed=1)
         alone = [score(model, [s])[0] for s in seqs]
+        with EngineStyleDecode(model) as drive:  # (c): as an engine runs it, no vLLM
+            decoded = [drive.logprobs(s, prefill=max(1, len(s) // 3)) for s in seqs]
         ways = {
             "packed": score(model, seqs),
             "reversed": score(model, seqs[::-1])[::-1],
@@ -220,7 +225,15 @@ def trainer_rows(family: str, dtype_name: str, device: str, work: Path, dry: boo
     }
     ok = all(same.values()) and backends == {"triton"}
     detail = f"{len(seqs)} seqs, alone == {same}; site backends {sorted(backends)}"
-    return [Row("trainer", f"{family} {dtype_name}", PASS if ok else FAIL_INV, detail)]
+    dec = [torch.equal(a, b) for a, b in zip(alone, decoded, strict=True)]
+    dec_detail = (
+        f"paged KV cache, prefill len//3 then 1 token/step, GDN state in place: "
+        f"{sum(dec)}/{len(dec)} seqs bitwise the trainer's scoring"
+    )
+    return [
+        Row("trainer", f"{family} {dtype_name}", PASS if ok else FAIL_INV, detail),
+        Row("engine-style", f"{family} {dtype_name}", PASS if all(dec) else FAIL_INV, dec_detail),
+    ]
 
 
 def _time_s(fn: Callable[[], object], device: str, reps: int) -> float:

@@ -92,7 +92,8 @@ def _interpreted(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
 def test_dry_run_under_the_interpreter(wheels: Path, tmp_path: Path) -> None:
     proc = _interpreted(
         str(SCRIPT), "--device", "cpu", "--dry-run", "--scale", "1",
-        "--kernels", "linear,moe_combine", "--dtypes", "float32", out=tmp_path,
+        "--kernels", "linear,moe_combine", "--dtypes", "float32", "--budget-s", "1500",
+        "--families", "tiny-moe,tiny-gdn", out=tmp_path,  # dense: the negative control's
     )  # fmt: skip
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-4000:]
@@ -101,9 +102,11 @@ def test_dry_run_under_the_interpreter(wheels: Path, tmp_path: Path) -> None:
     assert "megatron-core 0.16.1 from " + str(tmp_path / "site-packages") in text
     for name in ("kernel linear", "kernel moe_combine", "trainer tp_leaves float32"):
         assert by[name]["result"] == "PASS", by[name]
-    for fam in ("tiny-dense", "tiny-moe", "tiny-gdn"):
+    for fam in ("tiny-moe", "tiny-gdn"):
         row = by[f"trainer {fam} float32"]
         assert row["result"] == "PASS" and "['triton']" in row["detail"], row
+        row = by[f"engine-style {fam} float32"]
+        assert row["result"] == "PASS" and "2/2 seqs bitwise" in row["detail"], row
     bi = by["speed trainer tiny-dense / upstream-bi"]
     assert bi["result"] == "SKIP" and "CUDA-only" in bi["detail"], bi
     assert (tmp_path / "table.txt").read_text().count("\n") == len(rows) + 2
@@ -124,7 +127,7 @@ def packed_off_by_one_ulp(model, seqs, *a, **k):
         lps[0] = torch.nextafter(lps[0], torch.full_like(lps[0], float("inf")))
     return lps
 scoring.score = packed_off_by_one_ulp
-(row,) = dc.trainer_rows("tiny-dense", "float32", "cpu", out / "models", True)
+row, _ = dc.trainer_rows("tiny-dense", "float32", "cpu", out / "models", True)
 print("ROW", row.result, row.detail)
 """
 
