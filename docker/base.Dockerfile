@@ -35,16 +35,22 @@ RUN grep -q '^torch==2\.13\.0 ' docker/gpu-requirements.txt \
     && ! grep -q '^torch==.*+cpu' docker/gpu-requirements.txt \
     && grep -q '^triton==' docker/gpu-requirements.txt \
     || { echo "docker/gpu-requirements.txt does not pin the CUDA torch and triton; run docker/lock-gpu.sh" >&2; exit 1; }
-# 1) everything but transformer-engine-torch, hash-checked, no resolution (--no-deps);
-# 2) transformer-engine-torch, built without isolation against the torch just installed, so
-#    its extension is compiled for exactly that torch; `uv pip sync` then checks the whole set
-#    equals the lock (nothing more, nothing less).
+# Transformer Engine is optional (WITH_TE=1): no IsoExec check needs it, since an IsoExec model
+# never reaches TE and native Megatron runs its local (TE-less) specs. Only users who want
+# Megatron's TE layers, or Megatron's batch_invariant_mode patching TE, build it.
+#   WITH_TE=0 (default): the lock less every transformer-engine* entry, hash-checked, no
+#     resolution (--no-deps): no sdist, no nvcc build.
+#   WITH_TE=1: 1) everything but transformer-engine-torch, as above; 2) transformer-engine-torch,
+#     built without isolation against the torch just installed, so its extension is compiled
+#     for exactly that torch; `uv pip sync` then checks the whole set equals the lock.
+ARG WITH_TE=0
 ENV NVTE_FRAMEWORK=pytorch NVTE_CUDA_ARCHS=90 MAX_JOBS=8 CUDA_HOME=/usr/local/cuda
-RUN awk '/^transformer-engine-torch==/ {skip = 1} !skip {print} skip && !/\\$/ {skip = 0}' \
+RUN if [ "$WITH_TE" = 1 ]; then te='^transformer-engine-torch=='; else te='^transformer-engine'; fi \
+    && awk -v te="$te" '$0 ~ te {skip = 1} !skip {print} skip && !/\\$/ {skip = 0}' \
         docker/gpu-requirements.txt > /tmp/stage1.txt \
     && uv pip install --no-deps --require-hashes -r /tmp/stage1.txt \
-    && uv pip sync --require-hashes --no-build-isolation \
-        docker/gpu-requirements.txt \
+    && if [ "$WITH_TE" = 1 ]; then uv pip sync --require-hashes --no-build-isolation \
+        docker/gpu-requirements.txt; fi \
     && rm /tmp/stage1.txt
 
 # The three workspace packages, without dependencies: everything they need is locked above.

@@ -99,3 +99,23 @@ def test_gpu_lock_pins_the_cuda_torch_and_agrees_with_uv_lock() -> None:
 def test_dockerignore_keeps_the_local_environment_out() -> None:
     lines = {ln.strip() for ln in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".venv", ".git", "**/__pycache__", ".pytest_cache", ".hypothesis"} <= lines
+
+
+def test_transformer_engine_is_optional_and_off_by_default(tmp_path: Path) -> None:
+    """No IsoExec check needs TE (an IsoExec model never reaches it): the base builds without
+    it unless WITH_TE=1, and the TE-less stage drops exactly the transformer-engine* pins."""
+    import subprocess
+
+    text = (DOCKER / "base.Dockerfile").read_text()
+    assert re.search(r"^ARG WITH_TE=0$", text, re.M)
+    program = re.search(r"awk -v te=\"\$te\" '([^']*)'", text).group(1)
+    branches = re.search(r"then te='([^']*)'; else te='([^']*)'", text).groups()
+    kept = {}
+    for with_te, pattern in zip((1, 0), branches, strict=True):
+        out = subprocess.run(["awk", "-v", f"te={pattern}", program, str(LOCK)],
+                             capture_output=True, text=True, check=True).stdout  # fmt: skip
+        kept[with_te] = set(re.findall(r"^([A-Za-z0-9._-]+)==", out, re.M))
+    pins = set(_gpu_pins())
+    assert pins - kept[1] == {"transformer-engine-torch"}  # built from its sdist after
+    assert pins - kept[0] == {"transformer-engine", "transformer-engine-cu13",
+                              "transformer-engine-torch"}  # fmt: skip
