@@ -77,7 +77,7 @@ def test_weight_transfer_backends_are_gated_or_refused(
     refuses to start, naming the setting. vLLM's own backend registry is left as it is."""
     import importlib
 
-    from vllm.config import WeightTransferConfig
+    from vllm.config import CompilationConfig, WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
     from isoexec.vllm.admission import refused_engine_settings
@@ -97,6 +97,7 @@ def test_weight_transfer_backends_are_gated_or_refused(
                                            hf_overrides=None),
         cache_config=types.SimpleNamespace(cache_dtype="auto"),
         speculative_config=None, lora_config=None, watermark_config=None,
+        compilation_config=CompilationConfig(),
     )  # fmt: skip
     for name in sorted(registered | {"a-future-backend"}):
         cfg.weight_transfer_config = WeightTransferConfig(backend=name)
