@@ -29,6 +29,44 @@ BLOCK_K = 32
 DEFAULT_TP_LEAVES = _torch_gemm.DEFAULT_TP_LEAVES
 
 
+@triton.jit
+def tile_dot(
+    x_ptr,
+    w_ptr,
+    rows,
+    rn,
+    m_ok,
+    n_ok,
+    K,
+    stride_xm,
+    stride_wn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """The fp32 [BLOCK_M, BLOCK_N] tile of x[rows] @ w[rn].T: the one K walk every IsoExec
+    GEMM takes (BLOCK_K steps in order, fp32 operands, one dot per step), so the dense linear
+    and the grouped MoE experts give a row the same bits whichever rows share its tile."""
+    rk = tl.arange(0, BLOCK_K).to(tl.int64)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        k_ok = kk < K
+        a = tl.load(
+            x_ptr + rows[:, None] * stride_xm + kk[None, :],
+            mask=m_ok[:, None] & k_ok[None, :],
+            other=0.0,
+        ).to(tl.float32)
+        b = tl.load(
+            w_ptr + rn[None, :] * stride_wn + kk[:, None],
+            mask=n_ok[None, :] & k_ok[:, None],
+            other=0.0,
+        ).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr,
@@ -50,24 +88,10 @@ def _linear_kernel(
     pid_n = tl.program_id(1).to(tl.int64)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K).to(tl.int64)
     m_ok = rm < M
     n_ok = rn < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + rk
-        k_ok = kk < K
-        a = tl.load(
-            x_ptr + rm[:, None] * stride_xm + kk[None, :],
-            mask=m_ok[:, None] & k_ok[None, :],
-            other=0.0,
-        ).to(tl.float32)
-        b = tl.load(
-            w_ptr + rn[None, :] * stride_wn + kk[:, None],
-            mask=n_ok[None, :] & k_ok[:, None],
-            other=0.0,
-        ).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    acc = tile_dot(x_ptr, w_ptr, rm, rn, m_ok, n_ok, K, stride_xm, stride_wn,
+                   BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
     store_rounded(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, m_ok[:, None] & n_ok[None, :])
 
 

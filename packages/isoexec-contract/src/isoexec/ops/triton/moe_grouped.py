@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._runtime import check_device, dot_precision, store_rounded
-from .gemm import BLOCK_K, BLOCK_M, BLOCK_N
+from .gemm import BLOCK_K, BLOCK_M, BLOCK_N, tile_dot
 
 
 @triton.jit
@@ -51,25 +51,10 @@ def _grouped_linear_kernel(
         a_row = tl.load(a_rows_ptr + r).to(tl.int64)  # -1: a padding row
         y_row = tl.load(y_rows_ptr + r).to(tl.int64)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        rk = tl.arange(0, BLOCK_K).to(tl.int64)
         m_ok = a_row >= 0
         n_ok = rn < N
-        w_base = w_ptr + e * stride_we
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + rk
-            k_ok = kk < K
-            a = tl.load(
-                x_ptr + a_row[:, None] * stride_xm + kk[None, :],
-                mask=m_ok[:, None] & k_ok[None, :],
-                other=0.0,
-            ).to(tl.float32)
-            b = tl.load(
-                w_base + rn[None, :] * stride_wn + kk[:, None],
-                mask=n_ok[None, :] & k_ok[:, None],
-                other=0.0,
-            ).to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        acc = tile_dot(x_ptr, w_ptr + e * stride_we, a_row, rn, m_ok, n_ok, K, stride_xm,
+                       stride_wn, BLOCK_M, BLOCK_N, BLOCK_K, PRECISION)  # fmt: skip
         y_ok = (y_row >= 0)[:, None] & n_ok[None, :]
         store_rounded(y_ptr + y_row[:, None] * stride_ym + rn[None, :], acc, y_ok)
 
