@@ -7,8 +7,8 @@ would skip. Here the routing becomes a padded layout computed with fixed-size de
 with a fixed grid walks it: each BLOCK_M-row block belongs to one expert (or to none, and
 exits), its rows are gathered (token, slot) pairs of that expert.
 
-Bits: a program computes its tile exactly as `gemm._linear_kernel` does (the same BLOCK_M,
-BLOCK_N, BLOCK_K, the same K walk into one fp32 accumulator, the same dot precision, one
+Bits: a program computes its tile with `gemm.tile_dot`, the K walk `gemm._linear_kernel`
+runs (the same BLOCK_M, BLOCK_N, BLOCK_K, one fp32 accumulator, the same dot precision, one
 rounding), only with gathered row addresses. A row's result depends on its own inputs and
 the tile constants, never on its position in the tile (the linear's row-invariance), so each
 (token, slot) row has the bits of the per-expert `linear` the trainer's loop computes.
