@@ -22,10 +22,6 @@ per instance and exist only during a `logprobs` call.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
-from typing import Any
-
 import torch
 
 from isoexec import ops as torch_ops
@@ -181,11 +177,4 @@ class EngineStyleDecode:
         return site_logprobs(self.model, logits, ids[1:], t).cpu()
 
 
-@contextmanager
-def engine_style(model: torch.nn.Module, **kwargs: Any) -> Iterator[EngineStyleDecode]:
-    """`EngineStyleDecode` as a context manager function."""
-    with EngineStyleDecode(model, **kwargs) as d:
-        yield d
-
-
-__all__ = ["EngineStyleDecode", "engine_style"]
+__all__ = ["EngineStyleDecode"]
