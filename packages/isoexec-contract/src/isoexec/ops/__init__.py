@@ -33,6 +33,7 @@ from . import (
     moe,
     norm,
     rope,
+    truncation,
 )
 from .activation import attn_output_gate, silu_mul
 from .attention import attention_paged, attention_varlen, gather_paged_kv
@@ -63,6 +64,7 @@ from .lora import (
 from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
 from .norm import gated_rms_norm, rms_norm
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .truncation import truncation_mask
 
 BACKEND = "torch"
 
@@ -140,8 +142,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     "logprobs": (
         "isoexec.logprobs.fp32",
         1,
-        {"temperature": "fp32-true-div", "mode": "processed_logprobs"},
-        (logprobs._tempered, logprobs.log_softmax, logprobs.token_logprobs),
+        {
+            "temperature": "fp32-true-div",
+            "mode": "processed_logprobs",
+            "truncation": truncation.RULE,
+        },
+        (logprobs._tempered, logprobs.log_softmax, logprobs.token_logprobs, truncation_mask),
     ),
     "logprobs_vocab_parallel": (
         "isoexec.logprobs.vocab_leaves",
@@ -368,5 +374,6 @@ __all__ = [
     "tp_leaf_partials",
     "tp_linear_from_shards",
     "tp_tree_sum",
+    "truncation_mask",
     "vocab_leaf_stats",
 ]

@@ -9,7 +9,10 @@ from __future__ import annotations
 import random
 import secrets
 import threading
+from collections.abc import Hashable, Sequence
 from typing import Any
+
+from isoexec.ops.truncation import Truncation
 
 
 def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
@@ -29,35 +32,55 @@ def make_prompts(num: int, vocab: int, seed: int) -> list[list[int]]:
 
 
 def sample(
-    engine: Any, prompts: list[list[int]], temps: list[float], max_tokens: int, lora: Any = None
+    engine: Any,
+    prompts: list[list[int]],
+    temps: list[float],
+    max_tokens: int,
+    lora: Any = None,
+    truncations: list[Truncation | None] | None = None,
 ) -> list[Any]:
-    """The engine samples `max_tokens` tokens per prompt, each at its temperature (under the
-    adapter `lora`, a `LoraAdapter` the engine has added, if given)."""
+    """The engine samples `max_tokens` tokens per prompt, each at its temperature and under
+    its truncation (top-k / top-p / min-p, if given), under the adapter `lora` (a
+    `LoraAdapter` the engine has added) if given."""
     from isoexec.vllm.engine_process import SamplingSpec
 
     engine.call("reset_prefix_cache")
-    specs = [SamplingSpec(max_tokens=max_tokens, temperature=t, lora=lora) for t in temps]
+    truncs = truncations or [None] * len(temps)
+    specs = [
+        SamplingSpec(max_tokens=max_tokens, temperature=t, lora=lora, **_spec_fields(tr))
+        for t, tr in zip(temps, truncs, strict=True)
+    ]
     return engine.generate(prompts, specs)
 
 
-def _group(completions: list[Any], temps: list[float], temp: float) -> list[list[int]]:
-    """The full sequences (prompt + completion) sampled at `temp`, in order."""
+def _spec_fields(truncation: Truncation | None) -> dict[str, Any]:
+    if truncation is None:
+        return {}
+    return {"top_k": truncation.top_k, "top_p": truncation.top_p, "min_p": truncation.min_p}
+
+
+def _levels(keys: Sequence[Hashable]) -> list[Hashable]:
+    """The distinct sampling settings of a batch, in first-seen order."""
+    return list(dict.fromkeys(keys))
+
+
+def _group(completions: list[Any], keys: Sequence[Hashable], key: Hashable) -> list[list[int]]:
+    """The full sequences (prompt + completion) sampled with settings `key`, in order."""
     return [
-        c.prompt_token_ids + c.token_ids
-        for c, t in zip(completions, temps, strict=True)
-        if t == temp
+        c.prompt_token_ids + c.token_ids for c, k in zip(completions, keys, strict=True) if k == key
     ]
 
 
-def align(completions: list[Any], temps: list[float], scored: dict[float, list[Any]]) -> Any:
+def align(completions: list[Any], keys: Sequence[Hashable], scored: dict[Any, list[Any]]) -> Any:
     """(trainer, engine) fp32 logprobs of every sampled token, in the same order; `scored`
-    maps each temperature to the trainer's logprobs of `_group(..., temperature)`."""
+    maps each request's settings (a temperature, or (temperature, truncation)) to the
+    trainer's logprobs of `_group(..., settings)`."""
     import torch
 
     train_lps, engine_lps = [], []
-    for temp in sorted(set(temps)):
-        group = [c for c, t in zip(completions, temps, strict=True) if t == temp]
-        for c, lp in zip(group, scored[temp], strict=True):
+    for key in _levels(keys):
+        group = [c for c, k in zip(completions, keys, strict=True) if k == key]
+        for c, lp in zip(group, scored[key], strict=True):
             train_lps.append(lp[-len(c.token_ids) :].float())
             engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
     return torch.cat(train_lps), torch.cat(engine_lps)
@@ -69,17 +92,22 @@ def sample_and_score(
     prompts: list[list[int]],
     temps: list[float],
     max_tokens: int,
+    truncations: list[Truncation | None] | None = None,
 ) -> tuple[Any, Any]:
-    """Engine samples; trainer scores exactly the sampled sequences, each at its temperature.
+    """Engine samples; trainer scores exactly the sampled sequences, each with the settings it
+    was sampled with (temperature, truncation).
 
     Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
     """
     from isoexec.megatron import score
 
-    completions = sample(engine, prompts, temps, max_tokens)
-    levels = sorted(set(temps))
-    scored = {t: score(model, _group(completions, temps, t), temperature=t) for t in levels}
-    return align(completions, temps, scored)
+    completions = sample(engine, prompts, temps, max_tokens, truncations=truncations)
+    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
+    scored = {
+        k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1])
+        for k in _levels(keys)
+    }
+    return align(completions, keys, scored)
 
 
 def handshake(

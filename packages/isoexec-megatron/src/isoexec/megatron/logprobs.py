@@ -14,6 +14,7 @@ import torch
 from isoexec import ops
 from isoexec.contract.impl import declared_impl
 from isoexec.contract.protocol import SAMPLING_EPS
+from isoexec.ops.truncation import Truncation
 
 
 def vocab_size(model: torch.nn.Module) -> int:
@@ -35,12 +36,48 @@ def effective_temperature(temperature: float, model: torch.nn.Module | None = No
     return 1.0 if t < SAMPLING_EPS else t
 
 
+def effective_truncation(
+    truncation: Truncation | None, model: torch.nn.Module | None = None
+) -> Truncation | None:
+    """The truncation the logprobs are taken under: None when off, and None for a model
+    scoring `raw_logprobs` (an engine in that mode returns the logprobs before truncation)."""
+    if truncation is not None and not isinstance(truncation, Truncation):
+        raise TypeError(
+            f"truncation must be an isoexec.ops.truncation.Truncation, not {truncation!r}"
+        )
+    if truncation is None or not truncation.active:
+        return None
+    if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
+        return None
+    return truncation
+
+
+def truncated(
+    provider: object, logits: torch.Tensor, temperature: float, truncation: Truncation | None
+) -> torch.Tensor:
+    """`logits` with the tokens outside each row's canonical kept set at -inf (fp32), as the
+    engine's sampler masks them before it samples and returns logprobs; `logits` unchanged
+    without truncation. `provider`: the ops (a model's site ops, or `isoexec.ops`)."""
+    if truncation is None:
+        return logits
+    n = logits.shape[0]
+    t = torch.full((n,), temperature, dtype=torch.float32, device=logits.device)
+    rows = truncation.rows(n, logits.device)
+    keep = provider.truncation_mask(logits, t, rows)  # type: ignore[attr-defined]
+    return logits.float().masked_fill(~keep, float("-inf"))
+
+
 def token_logprobs(
-    logits: torch.Tensor, ids: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor,
+    ids: torch.Tensor,
+    temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """log p(ids[i+1] | ≤ i) from logits [n, vocab] of positions 0..n-1: fp32 log_softmax of
-    `logits / T` + gather. Reduces over the contiguous last dim (row-invariant on CPU)."""
-    return ops.token_logprobs(logits[:-1], ids[1:], temperature=temperature)
+    `logits / T` (over each row's kept set under `truncation`) + gather. Reduces over the
+    contiguous last dim (row-invariant on CPU)."""
+    rows = truncated(ops, logits[:-1], temperature, truncation)
+    return ops.token_logprobs(rows, ids[1:], temperature=temperature)
 
 
 def is_isoexec(model: torch.nn.Module) -> bool:
@@ -64,18 +101,26 @@ def full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
 
 
 def site_logprobs(
-    model: torch.nn.Module, logits: torch.Tensor, next_ids: torch.Tensor, temperature: float
+    model: torch.nn.Module,
+    logits: torch.Tensor,
+    next_ids: torch.Tensor,
+    temperature: float,
+    truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """fp32 logprobs of `next_ids` under rows of full-vocab `logits`, through the logprobs
     binding of an IsoExec model (what its contract records for the `logprobs` site)."""
-    return model.isoexec_ops.token_logprobs(logits, next_ids, temperature=temperature)  # type: ignore[union-attr,operator,no-any-return]
+    site = model.isoexec_ops  # type: ignore[union-attr]
+    rows = truncated(site, logits, temperature, truncation)
+    return site.token_logprobs(rows, next_ids, temperature=temperature)  # type: ignore[operator,no-any-return]
 
 
 __all__ = [
     "effective_temperature",
+    "effective_truncation",
     "full_vocab",
     "is_isoexec",
     "site_logprobs",
     "token_logprobs",
+    "truncated",
     "vocab_size",
 ]

@@ -33,6 +33,7 @@ from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, ex
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 from isoexec.megatron.logprobs import (
     effective_temperature,
+    effective_truncation,
     full_vocab,
     is_isoexec,
     site_logprobs,
@@ -40,6 +41,7 @@ from isoexec.megatron.logprobs import (
     vocab_size,
 )
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
+from isoexec.ops.truncation import Truncation
 
 TokenSeq = Sequence[int] | torch.Tensor
 
@@ -87,7 +89,7 @@ def _pipelined(model: torch.nn.Module) -> bool:
 
 
 def _forward_logprobs(
-    model: torch.nn.Module, ids: torch.Tensor, temperature: float
+    model: torch.nn.Module, ids: torch.Tensor, temperature: float, trunc: Truncation | None = None
 ) -> torch.Tensor:
     """Native path: one sequence, batch size 1, Megatron's default causal mask."""
     device = next(model.parameters()).device
@@ -96,7 +98,7 @@ def _forward_logprobs(
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
 
     def logprobs(logits: torch.Tensor) -> torch.Tensor:  # [1, n, V]
-        return token_logprobs(full_vocab(model, logits)[0], input_ids[0], temperature)
+        return token_logprobs(full_vocab(model, logits)[0], input_ids[0], temperature, trunc)
 
     if not _pipelined(model):
         return logprobs(model(**inputs))
@@ -175,10 +177,15 @@ def _pack(model: torch.nn.Module, seqs: list[torch.Tensor], pad_to_multiple: int
 
 
 def _pack_logprobs(
-    model: torch.nn.Module, pack: _Pack, logits: torch.Tensor, temperature: float
+    model: torch.nn.Module,
+    pack: _Pack,
+    logits: torch.Tensor,
+    temperature: float,
+    trunc: Truncation | None = None,
 ) -> list[torch.Tensor]:
     """Per sequence fp32 [n-1] logprobs from the pack's [1, T, vocab(/TP)] logits."""
-    lp = site_logprobs(model, full_vocab(model, logits)[0][pack.rows], pack.nxt, temperature)
+    rows = full_vocab(model, logits)[0][pack.rows]
+    lp = site_logprobs(model, rows, pack.nxt, temperature, trunc)
     return list(lp.split([n - 1 for n in pack.lens]))
 
 
@@ -188,6 +195,7 @@ def packed_logprobs(
     temperature: float = 1.0,
     *,
     pad_to_multiple: int | None = None,
+    truncation: Truncation | None = None,
 ) -> list[torch.Tensor]:
     """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
 
@@ -198,10 +206,10 @@ def packed_logprobs(
         raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
     pack = _pack(model, seqs, pad_to_multiple)
     if not _pipelined(model):
-        return _pack_logprobs(model, pack, model(**pack.inputs), temperature)
+        return _pack_logprobs(model, pack, model(**pack.inputs), temperature, truncation)
 
     def last(logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        lps = _pack_logprobs(model, pack, logits, temperature)
+        lps = _pack_logprobs(model, pack, logits, temperature, truncation)
         return logits.sum() * 0, [lp.detach() for lp in lps]
 
     return broadcast_from_last_stage(
@@ -241,9 +249,11 @@ def score(
     *,
     max_tokens: int | None = None,
     pad_to_multiple: int | None = None,
+    truncation: Truncation | None = None,
 ) -> list[torch.Tensor]:
     """Per-token logprobs (fp32, length n-1) of each sequence at `temperature`; no gradients,
-    eval mode (restored afterwards).
+    eval mode (restored afterwards). `truncation`: the top-k / top-p / min-p the sequences
+    were sampled with; the logprobs are then renormalised over each position's kept set.
 
     isoexec model: packed forwards of at most `max_tokens` tokens (default: all in one), each
     padded to a multiple of `pad_to_multiple`; the bits do not depend on either. A temperature
@@ -253,6 +263,7 @@ def score(
     vocab = vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
     t = effective_temperature(temperature, model)
+    trunc = effective_truncation(truncation, model)
     iso = is_isoexec(model)
     if not iso and (max_tokens is not None or pad_to_multiple is not None):
         raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
@@ -262,13 +273,17 @@ def score(
         with torch.no_grad():
             if not iso:
                 _check_equal_forwards_over_ep(model, len(all_ids))
-                return [_forward_logprobs(model, ids, t).cpu() for ids in all_ids]
+                return [_forward_logprobs(model, ids, t, trunc).cpu() for ids in all_ids]
             out: list[torch.Tensor] = [torch.empty(0)] * len(all_ids)
             packs = _packs([int(i.numel()) for i in all_ids], max_tokens)
             _check_equal_forwards_over_ep(model, len(packs))
             for pack in packs:
                 lps = packed_logprobs(
-                    model, [all_ids[i] for i in pack], t, pad_to_multiple=pad_to_multiple
+                    model,
+                    [all_ids[i] for i in pack],
+                    t,
+                    pad_to_multiple=pad_to_multiple,
+                    truncation=trunc,
                 )
                 for i, lp in zip(pack, lps, strict=True):
                     out[i] = lp.cpu()
@@ -428,7 +443,10 @@ __all__ = [
 
 
 def policy_logprobs(
-    model: torch.nn.Module, sequences: Sequence[TokenSeq], temperature: float = 1.0
+    model: torch.nn.Module,
+    sequences: Sequence[TokenSeq],
+    temperature: float = 1.0,
+    truncation: Truncation | None = None,
 ) -> list[torch.Tensor]:
     """Per-token logprobs that keep the autograd graph (for policy-gradient losses).
 
@@ -438,6 +456,7 @@ def policy_logprobs(
     vocab = vocab_size(model)
     ids = [_as_ids(s, vocab) for s in sequences]
     temperature = effective_temperature(temperature, model)
+    trunc = effective_truncation(truncation, model)
     if is_isoexec(model):
-        return packed_logprobs(model, ids, temperature)
-    return [_forward_logprobs(model, i, temperature) for i in ids]
+        return packed_logprobs(model, ids, temperature, truncation=trunc)
+    return [_forward_logprobs(model, i, temperature, trunc) for i in ids]

@@ -33,6 +33,9 @@ ADMISSION = "isoexec.vllm.admission:IsoAdmission"
 ALLOWED_REQUEST_FIELDS: Mapping[str, str] = {
     "n": "more samples of the same distribution",
     "temperature": "part of the canonical logprobs op; the trainer scores at the same temperature",
+    "top_k": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
+    "top_p": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
+    "min_p": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
     "seed": "picks which token is drawn, not its logprob",
     "max_tokens": "where generation stops",
     "stop": "where generation stops",
@@ -61,16 +64,12 @@ ALLOWED_REQUEST_FIELDS: Mapping[str, str] = {
 
 # Values that mean "off" for fields whose default is another spelling of off.
 _NEUTRAL: Mapping[str, tuple[Any, ...]] = {
-    "top_k": (0, -1),
     "watermarking": (None, False),
 }
 
 # Why a refused field changes the bits, for the message (fields not named here: "not on the
 # allow-list").
 _REFUSAL_REASONS: Mapping[str, str] = {
-    "top_k": "truncates the distribution the token is sampled from",
-    "top_p": "truncates the distribution the token is sampled from",
-    "min_p": "truncates the distribution the token is sampled from",
     "presence_penalty": "changes the logits by the tokens generated so far",
     "frequency_penalty": "changes the logits by the tokens generated so far",
     "repetition_penalty": "changes the logits by the tokens generated so far",
@@ -121,7 +120,7 @@ def check_request(params: SamplingParams) -> None:
         return
     reasons = {k: _REFUSAL_REASONS.get(k, "not on the allow-list") for k in refused}
     parts = [f"{k}={v!r} ({reasons[k]})" for k, v in refused.items()]
-    hint = _GENERATION_CONFIG_HINT if refused.keys() & {"top_k", "top_p", "min_p"} else ""
+    hint = _GENERATION_CONFIG_HINT if "repetition_penalty" in refused else ""
     raise SettingRefusedError(
         "IsoExec refuses this request: " + "; ".join(parts) + ". The trainer would score a "
         "distribution other than the one sampled (allowed settings: docs/reliability.md)." + hint

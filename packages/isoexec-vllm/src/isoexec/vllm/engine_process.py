@@ -88,6 +88,8 @@ class SamplingSpec:
     temperature: float = 1.0
     prompt_logprobs: bool = False
     top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     # Further `SamplingParams` fields, as (name, value) pairs (hashable), e.g. a logit bias:
     # how a test asks for a setting the admission check must refuse.
     extra: tuple[tuple[str, Any], ...] = ()
@@ -346,6 +348,8 @@ class _Handler:
                 max_tokens=s.max_tokens,
                 temperature=s.temperature,
                 top_p=s.top_p,
+                top_k=s.top_k,
+                min_p=s.min_p,
                 logprobs=0,
                 prompt_logprobs=0 if s.prompt_logprobs else None,
                 detokenize=False,

@@ -6,11 +6,17 @@ what a PPO ratio needs; the trainer scores with the same op and the same tempera
 `raw_logprobs` (T=1 whatever the temperature) is the other mode it supports; the logprobs
 site records which one the engine was started with (`mode`), as the trainer's records the one
 it scores, so the handshake refuses a mix. vLLM's `*_logits` modes are not logprobs: refused.
-Top-k / top-p would mask the distribution in a way the trainer does not reproduce: refused.
+
+Top-k, top-p and min-p are IsoExec's canonical truncation (`isoexec.ops.truncation`), not
+vLLM's: the sampler masks the logits to the canonical kept set, then lets vLLM draw from them
+with its own truncation switched off (vLLM's top-k keeps ties, its top-p sums in a kernel's
+order, its min-p is a logits processor: none of them is what the trainer computes). The
+returned logprobs are renormalised over the kept set, as the trainer scores them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from types import ModuleType
 from typing import Any
 
@@ -21,9 +27,12 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.ops.binding import bind
+from isoexec.ops.truncation import RowTruncation
 from isoexec.vllm.engine_binding import engine_binding, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.patches import V2_RUNNER_ENV, rebind_sampler
+from vllm.v1.sample.logits_processor import LogitsProcessors
+from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
@@ -47,6 +56,31 @@ def canonical_logprobs(
         rows = (temps == t).nonzero().reshape(-1).to(logits.device)
         out[rows] = backend_ops.log_softmax(logits[rows], temperature=t)
     return out
+
+
+def _effective_temperature(
+    temperature: torch.Tensor | None, rows: int, device: Any
+) -> torch.Tensor:
+    """fp32 [B]: each row's sampling temperature, 1.0 for greedy rows (and all-greedy)."""
+    if temperature is None:
+        return torch.ones(rows, dtype=torch.float32, device=device)
+    return torch.where(temperature < SAMPLING_EPS, 1.0, temperature).float()
+
+
+def request_truncation(sampling_metadata: Any) -> tuple[RowTruncation | None, Any]:
+    """This batch's per-row truncation settings, and the metadata vLLM samples with once the
+    logits carry them (its own top-k, top-p and min-p switched off). None: no row truncates."""
+    min_p = [p for p in sampling_metadata.logitsprocs.argmax_invariant
+             if isinstance(p, MinPLogitsProcessor)]  # fmt: skip
+    min_p_rows = min_p[0].min_p.reshape(-1) if min_p and min_p[0].min_p_count else None
+    if sampling_metadata.top_k is None and sampling_metadata.top_p is None and min_p_rows is None:
+        return None, sampling_metadata
+    others = [p for p in sampling_metadata.logitsprocs.all if p not in min_p]
+    vllm_md = dataclasses.replace(
+        sampling_metadata, top_k=None, top_p=None, logitsprocs=LogitsProcessors(others)
+    )
+    rows = RowTruncation(sampling_metadata.top_k, sampling_metadata.top_p, min_p_rows)
+    return rows, vllm_md
 
 
 _BUILT: IsoSampler | None = None
@@ -103,19 +137,21 @@ class IsoSampler(Sampler):
         wanted = sampling_metadata.max_num_logprobs is not None or bool(
             sampling_metadata.logprob_token_ids
         )
-        # Logprobs of a top-k/top-p truncated distribution are not what the trainer scores:
-        # refused when asked for. Without logprobs (e.g. vLLM's compile warm-up, which samples
-        # with top-k and top-p) there is nothing to compare, and sampling is vLLM's own.
-        if wanted and (sampling_metadata.top_k is not None or sampling_metadata.top_p is not None):
-            raise UnsupportedSiteError(
-                "top-k / top-p sampling with logprobs is not supported under IsoExec"
-            )
-        # Before vLLM's sampling, which divides the logits by the temperature in place.
         raw = self.logprobs_mode == "raw_logprobs"
         temps = None if raw else sampling_metadata.temperature
-        processed = canonical_logprobs(logits, temps, self.ops) if wanted else None
+        # Raw logprobs are those of the logits before any truncation (and T=1).
+        processed = canonical_logprobs(logits, None, self.ops) if wanted and raw else None
+        truncation, vllm_md = request_truncation(sampling_metadata)
+        if truncation is not None:
+            rows, device = logits.shape[0], logits.device
+            t = _effective_temperature(sampling_metadata.temperature, rows, device)
+            keep = self.ops.truncation_mask(logits, t, truncation)
+            logits.masked_fill_(~keep, float("-inf"))  # vLLM draws from the kept set only
+        # Before vLLM's sampling, which divides the logits by the temperature in place.
+        if wanted and not raw:
+            processed = canonical_logprobs(logits, temps, self.ops)
         # (the override keeps vLLM's greedy branch from computing logprobs of its own)
-        sampled, _ = super().sample(logits, sampling_metadata, _NO_LOGPROBS)
+        sampled, _ = super().sample(logits, vllm_md, _NO_LOGPROBS)
         return sampled, processed
 
 

@@ -23,6 +23,7 @@ from .. import _pointwise as _torch_pointwise
 from .. import gemm as _torch_gemm
 from .. import logprobs as _torch_logprobs
 from .. import rope as _torch_rope
+from .. import truncation as _torch_truncation
 from . import _runtime, attention, elementwise, gdn, gemm, logprobs, moe, moe_grouped, norm
 from .attention import attention_paged, attention_varlen, gather_paged_kv
 from .elementwise import apply_rope, rope_cos_sin, rope_inv_freq, silu_mul
@@ -43,6 +44,9 @@ from .logprobs import (
 )
 from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
 from .norm import gated_rms_norm, rms_norm
+
+# Truncation is a sort and a running sum over the kept prefix: the torch op on every backend.
+truncation_mask = _torch_truncation.truncation_mask
 
 BACKEND = "triton"
 
@@ -106,8 +110,9 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
             "vocab_tile": logprobs.VOCAB_TILE,
             "temperature": "fp32-div_rn",
             "mode": "processed_logprobs",
+            "truncation": _torch_truncation.RULE,
         },
-        (logprobs,),
+        (logprobs, _torch_truncation, _torch_pointwise),
     ),
     "logprobs_vocab_parallel": (
         "isoexec.logprobs.triton_vocab_leaves",
@@ -196,5 +201,6 @@ __all__ = [
     "token_logprobs_vocab_parallel",
     "tp_leaf_partials",
     "tp_linear_from_shards",
+    "truncation_mask",
     "vocab_leaf_stats",
 ]
