@@ -1,12 +1,14 @@
 """Settings on the served engine, tried as a new user would: vLLM's own OpenAI server through
 `isoexec engine serve`, the real `openai` client, a model that ships what released checkpoints
-ship (a tokenizer and a generation_config.json with top_k/top_p defaults).
+ship (a tokenizer and a generation_config.json with Qwen3's temperature/top_k/top_p defaults).
 
 Before the admission check each of these settings gave a MATCH with 0/204 tokens bitwise, and a
 refused request killed the engine mid-batch. Now a setting IsoExec does not reproduce is
 refused at admission — HTTP 400 for that request alone, naming the setting — while the
-concurrent good requests finish bitwise the trainer's and the server stays up. Negative
-control: the same settings are accepted by the `--stock` server (`test_served_engine.py`).
+concurrent good requests finish bitwise the trainer's and the server stays up. Top-k, top-p
+and min-p, and the model's shipped defaults, are good requests: canonical truncation, recorded
+per completion and scored with the record. Negative control: the same settings are accepted
+by the `--stock` server (`test_served_engine.py`).
 """
 
 from __future__ import annotations
@@ -35,9 +37,6 @@ REFUSED: dict[str, dict[str, Any]] = {
     "allowed_token_ids": {"extra_body": {"allowed_token_ids": list(range(40))}},
     "repetition_penalty": {"extra_body": {"repetition_penalty": 1.3}},
     "presence_penalty": {"presence_penalty": 0.5},
-    "top_k": {"extra_body": {"top_k": 20}},
-    "top_p": {"top_p": 0.95},
-    "min_p": {"extra_body": {"min_p": 0.1}},
     "min_tokens": {"extra_body": {"min_tokens": 2}},
 }
 
@@ -77,7 +76,8 @@ def _ids_and_logprobs(resp: Any) -> tuple[list[int], list[float]]:
 
 def _bitwise(trainer: Any, prompt: list[int], resp: Any, temp: float | None = None) -> bool:
     """The trainer's scoring of the completion equals its logprobs bit for bit: scored with
-    the record the response carried (`score_sampled`), or at `temp` when given."""
+    the record the response carried (`score_sampled`), or at `temp` when given (no
+    truncation: what a trainer unaware of the settings computes)."""
     from isoexec.megatron import score_sampled
     from isoexec.megatron.scoring import score
 
@@ -96,22 +96,36 @@ def _prompts(model: str, n: int) -> list[list[int]]:
     return [p[:40] for p in make_prompts(n, vocab - 1, seed=11)]  # no end-of-text in a prompt
 
 
+# Good requests: (temperature, truncation fields as the openai client sends them). None: the
+# model's shipped defaults (temperature 0.6, top_k 20, top_p 0.95).
+GOOD: list[tuple[float | None, dict[str, Any]]] = [
+    (None, {}),
+    (0.7, {}),
+    (1.0, {"extra_body": {"top_k": 5}}),
+    (0.9, {"top_p": 0.8}),
+    (1.0, {"extra_body": {"min_p": 0.1}}),
+    (0.8, {"top_p": 0.9, "extra_body": {"top_k": 12, "min_p": 0.02}}),
+    (1.0, {"top_p": 1.0, "extra_body": {"top_k": -1}}),  # neutral: nothing truncated
+] * 2
+
+
 def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
     tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
 ) -> None:
-    """12 good requests and one request per refused setting, all at once: every refused one
-    gets HTTP 400 naming its setting, every good one is bitwise the trainer's, the server stays
-    up. A good request that names no temperature is sampled at vLLM's 1.0, not the model's
-    shipped 0.6 (the launcher applies no model defaults and says so at start-up)."""
+    """14 good requests and one request per refused setting, all at once: every refused one
+    gets HTTP 400 naming its setting, every good one — top-k, top-p, min-p, combined, and the
+    model's shipped defaults — is bitwise the trainer's scoring with the record its response
+    carried, and the server stays up. Negative controls: the truncated completions scored
+    without their truncation (or at T=1.0 for the shipped defaults) are not bitwise."""
     import openai
 
-    prompts = _prompts(release_model, 12)
-    temps: list[float | None] = [None, 0.7, 1.0, 0.7] * 3
+    prompts = _prompts(release_model, len(GOOD))
     log = tmp_path / "server.log"
     with served(release_model, stock=False, log=log, tokenizer=True) as url:
 
         def good(i: int) -> Any:
-            kw = {} if temps[i] is None else {"temperature": temps[i]}
+            temp, fields = GOOD[i]
+            kw = dict(fields) if temp is None else {"temperature": temp, **fields}
             return _complete(url, release_model, prompts[i], **kw)
 
         def bad(name: str) -> str:
@@ -135,41 +149,53 @@ def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
         assert "Error code: 400" in message and f"{name}=" in message, (name, message)
         assert "IsoExec refuses this request" in message
     trainer = trainer_factory(release_model, "float32", isoexec=True)
+    shipped = answers[0].isoexec_record  # a request naming nothing: the model's defaults
+    assert (shipped.temperature, shipped.top_k, shipped.top_p) == (0.6, 20, 0.95), shipped
+    assert answers[2].isoexec_record.top_k == 5 and answers[3].isoexec_record.top_p == 0.8
+    assert answers[4].isoexec_record.min_p == 0.1 and answers[5].isoexec_record.top_k == 12
     for i, resp in enumerate(answers):  # each scored with the record its response carried
-        assert resp.isoexec_record.temperature == (temps[i] or 1.0), resp.isoexec_record
         assert resp.isoexec_record.logprobs_mode == "processed_logprobs"
-        assert _bitwise(trainer, prompts[i], resp), i
+        assert _bitwise(trainer, prompts[i], resp), (i, resp.isoexec_record)
     assert _bitwise(trainer, prompts[1], after)
-    assert "are NOT applied (--generation-config vllm)" in running_log
-    assert "top_k=20" in running_log
+    for i in (0, 2, 3, 5):  # negative controls: the same completions scored untruncated
+        temp = GOOD[i][0] or 0.6
+        assert not _bitwise(trainer, prompts[i], answers[i], temp=temp), i
+    assert not _bitwise(trainer, prompts[0], answers[0], temp=1.0)
+    assert "generation_config.json (temperature=0.6, top_k=20, top_p=0.95) apply" in running_log
     assert "EngineDeadError" not in running_log
 
 
-def test_model_defaults_applied_are_refused_unless_neutralised(
+def test_a_shipped_penalty_is_refused_unless_neutralised(
     tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
 ) -> None:
-    """`--generation-config auto` (the model's defaults applied, as stock vLLM does): a request
-    naming nothing inherits top_k=20/top_p=0.95 and is refused at admission, naming them and
-    where they came from. One that sets them neutral is sampled at the shipped temperature 0.6,
-    which its response's record says; scored with that record it is bitwise (and not at 1.0,
-    what a trainer unaware of the default would use). A sequence without a record is refused."""
+    """A model whose generation_config.json also ships a repetition penalty, served with
+    `--generation-config auto` (its defaults applied, as stock vLLM does): a request naming
+    nothing inherits the penalty and is refused at admission, naming it and where it came
+    from. One that sets it neutral is sampled with the other shipped defaults (temperature
+    0.6, top_k 20, top_p 0.95), which its record says; scored with that record it is bitwise.
+    A sequence without a record, or recorded in another logprobs mode, is refused."""
+    import shutil
+
     import openai
 
-    (prompt,) = _prompts(release_model, 1)
+    model = tmp_path / "penalised"
+    shutil.copytree(release_model, model)
+    gen = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.05}))
+    (prompt,) = _prompts(str(model), 1)
     log = tmp_path / "server.log"
-    with served(release_model, stock=False, log=log, tokenizer=True,
+    with served(str(model), stock=False, log=log, tokenizer=True,
                 vllm_args=("--generation-config", "auto")) as url:  # fmt: skip
         with pytest.raises(openai.BadRequestError) as refused:
-            _complete(url, release_model, prompt)
-        neutral = _complete(url, release_model, prompt, top_p=1.0, extra_body={"top_k": -1})
+            _complete(url, str(model), prompt)
+        neutral = _complete(url, str(model), prompt, extra_body={"repetition_penalty": 1.0})
     message = str(refused.value)
-    assert "top_k=20" in message and "top_p=0.95" in message
-    assert "generation_config.json" in message
-    trainer = trainer_factory(release_model, "float32", isoexec=True)
-    assert neutral.isoexec_record.temperature == 0.6  # the shipped default, recorded
+    assert "repetition_penalty=1.05" in message and "generation_config.json" in message
+    trainer = trainer_factory(str(model), "float32", isoexec=True)
+    record = neutral.isoexec_record
+    assert (record.temperature, record.top_k, record.top_p) == (0.6, 20, 0.95), record
     assert _bitwise(trainer, prompt, neutral)
     assert not _bitwise(trainer, prompt, neutral, temp=1.0)  # what a trainer assuming 1.0 gets
-    # A sequence without its record, or sampled in another logprobs mode, is not scored.
     from dataclasses import replace
 
     from isoexec.handshake.served import SamplingRecordError
@@ -178,7 +204,7 @@ def test_model_defaults_applied_are_refused_unless_neutralised(
     seq = [prompt + _ids_and_logprobs(neutral)[0]]
     with pytest.raises(SamplingRecordError, match="without the record"):
         score_sampled(trainer, seq, None)
-    raw = replace(neutral.isoexec_record, logprobs_mode="raw_logprobs")
+    raw = replace(record, logprobs_mode="raw_logprobs")
     with pytest.raises(SamplingRecordError, match="raw_logprobs"):
         score_sampled(trainer, seq, raw)
     assert "may be applied to requests that name none" in log.read_text()

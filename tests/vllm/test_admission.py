@@ -21,9 +21,6 @@ REFUSED_REQUESTS: list[dict[str, Any]] = [
     {"repetition_penalty": 1.3},
     {"presence_penalty": 0.5},
     {"frequency_penalty": 0.5},
-    {"top_k": 20},
-    {"top_p": 0.95},
-    {"min_p": 0.1},
     {"min_tokens": 2},
     {"thinking_token_budget": 4},
     {"extra_args": {"x": 1}},
@@ -47,9 +44,17 @@ def test_allowed_settings_and_neutral_values_pass() -> None:
     check_request(SamplingParams(**allowed))
 
 
-def test_the_generation_config_hint_comes_with_truncation() -> None:
+def test_truncation_is_admitted_it_is_canonical() -> None:
+    """Top-k, top-p and min-p are IsoExec's canonical truncation (`isoexec.ops.truncation`),
+    recorded per request and scored by the trainer with the same settings."""
+    check_request(SamplingParams(top_k=20, top_p=0.95, min_p=0.05, temperature=0.6))
+    for field in ("top_k", "top_p", "min_p"):
+        assert "canonical truncation" in admission.ALLOWED_REQUEST_FIELDS[field]
+
+
+def test_the_generation_config_hint_comes_with_a_penalty() -> None:
     with pytest.raises(SettingRefusedError, match=r"generation_config\.json"):
-        check_request(SamplingParams(top_k=20, top_p=0.95))
+        check_request(SamplingParams(repetition_penalty=1.05))
 
 
 def test_a_field_taken_off_the_allow_list_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -166,26 +171,40 @@ def test_the_launcher_passes_allowed_flags_and_owns_admission() -> None:
             "--enable-lora", "--max-lora-rank", "16", "--max-loras", "2"]  # fmt: skip
     argv, _ = server_command("/m", args)
     assert argv[argv.index("--logits-processors") + 1] == admission.ADMISSION
-    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    assert "--generation-config" not in argv  # /m has no generation_config.json
     assert argv[-len(args) :] == args
     argv, _ = server_command("/m", ["--generation-config", "auto"])
     assert argv.count("--generation-config") == 1
     assert flag_name("--max_num_seqs=4") == "--max-num-seqs" and flag_name("-1") is None
 
 
-def test_the_launcher_says_what_it_does_with_the_models_sampling_defaults(tmp_path: Path) -> None:
+def test_the_launcher_applies_the_defaults_it_reproduces_and_says_so(tmp_path: Path) -> None:
+    """Qwen3's shipped defaults (temperature, top_k, top_p) are applied as vLLM applies them
+    and recorded per completion; a shipped penalty, which IsoExec refuses, makes the launcher
+    keep every default off (`--generation-config vllm`), and it says why."""
     import json
 
-    from isoexec.vllm.serve import generation_defaults_note
+    from isoexec.vllm.serve import generation_defaults_note, server_command
 
     assert generation_defaults_note(str(tmp_path), []) is None  # no generation_config.json
-    (tmp_path / "generation_config.json").write_text(
+    config = tmp_path / "generation_config.json"
+    config.write_text(
         json.dumps({"top_k": 20, "top_p": 0.95, "temperature": 0.6, "eos_token_id": 1})
     )
     note = generation_defaults_note(str(tmp_path), [])
-    assert note is not None and "NOT applied" in note and "top_k=20" in note
+    assert note is not None and "apply" in note and "top_k=20" in note and "NOT" not in note
+    assert "X-IsoExec-Sampling" in note
+    assert "--generation-config" not in server_command(str(tmp_path))[0]
     note = generation_defaults_note(str(tmp_path), ["--generation-config", "auto"])
     assert note is not None and "HTTP 400" in note
+
+    config.write_text(json.dumps({"top_k": 20, "temperature": 0.7, "repetition_penalty": 1.05}))
+    note = generation_defaults_note(str(tmp_path), [])
+    assert note is not None and "NOT applied" in note and "repetition_penalty=1.05" in note
+    argv, _ = server_command(str(tmp_path))
+    assert argv[argv.index("--generation-config") + 1] == "vllm"
+    config.write_text(json.dumps({"top_k": 20, "repetition_penalty": 1.0}))  # neutral: applied
+    assert "--generation-config" not in server_command(str(tmp_path))[0]
 
 
 def test_an_engine_without_the_admission_check_has_no_contract(

