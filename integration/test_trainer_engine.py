@@ -20,12 +20,24 @@ import torch
 from _faults import narrow_attention_lanes
 
 from isoexec.megatron import trainer_contract
+from isoexec.ops.truncation import Truncation
 from isoexec.tools.pair import handshake, make_prompts, sample_and_score
+from isoexec.tools.pair_steps import sample, score_completions
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 CHUNK = 64
 TEMPS = [1.0, 0.7, 1.0, 0.7, 1.0, 0.7]
+# One request per truncation rule, and combined (Qwen3's shipped top_k 20 / top_p 0.95 at 0.6).
+TRUNCATIONS = [
+    Truncation(top_k=8),
+    Truncation(top_p=0.8),
+    Truncation(min_p=0.2),
+    Truncation(top_k=20, top_p=0.95),
+    Truncation(top_k=30, top_p=0.9, min_p=0.05),
+    Truncation(top_k=3),
+]
+TRUNC_TEMPS = [1.0, 0.9, 1.0, 0.6, 0.8, 0.0]  # (the last greedy: T=1 logprobs, still truncated)
 
 
 # vLLM's `support_torch_compile` wrapper on the inner model: off in eager mode, else it sets
@@ -71,6 +83,16 @@ def test_trainer_equals_engine_bitwise(
     assert train.numel() == 6 * len(prompts)
     assert torch.equal(train, eng), (train - eng).abs().max()
     assert engine.call("collective_rpc", _COMPILED) == [True]  # it ran the compiled graph
+
+    # Truncated sampling (the same engine, so no second start): top-k, top-p, min-p and
+    # combined, each request with its own settings in one batch, scored with the same.
+    done = sample(engine, prompts, TRUNC_TEMPS, 6, truncations=TRUNCATIONS)
+    train, eng = score_completions(trainer, done, TRUNC_TEMPS, TRUNCATIONS)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+    assert torch.isfinite(train).all()  # every sampled token is in the trainer's kept set
+    # Negative control: the trainer scoring the same tokens without the truncation differs.
+    untruncated, _ = score_completions(trainer, done, TRUNC_TEMPS)
+    assert not torch.equal(untruncated, eng)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -86,6 +86,25 @@ def align(completions: list[Any], keys: Sequence[Hashable], scored: dict[Any, li
     return torch.cat(train_lps), torch.cat(engine_lps)
 
 
+def score_completions(
+    model: Any,
+    completions: list[Any],
+    temps: list[float],
+    truncations: list[Truncation | None] | None = None,
+) -> tuple[Any, Any]:
+    """The trainer scores exactly the sampled sequences, each with the settings given for it
+    (temperature, truncation). Returns (trainer logprobs, engine logprobs) of every sampled
+    token, fp32, aligned."""
+    from isoexec.megatron import score
+
+    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
+    scored = {
+        k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1])
+        for k in _levels(keys)
+    }
+    return align(completions, keys, scored)
+
+
 def sample_and_score(
     engine: Any,
     model: Any,
@@ -99,15 +118,8 @@ def sample_and_score(
 
     Returns (trainer logprobs, engine logprobs) of every sampled token, fp32, aligned.
     """
-    from isoexec.megatron import score
-
     completions = sample(engine, prompts, temps, max_tokens, truncations=truncations)
-    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
-    scored = {
-        k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1])
-        for k in _levels(keys)
-    }
-    return align(completions, keys, scored)
+    return score_completions(model, completions, temps, truncations)
 
 
 def handshake(
