@@ -37,7 +37,7 @@ TRUNCATIONS = [
     Truncation(top_k=30, top_p=0.9, min_p=0.05),
     Truncation(top_k=3),
 ]
-TRUNC_TEMPS = [1.0, 0.9, 1.0, 0.6, 0.8, 0.0]  # (the last greedy: T=1 logprobs, still truncated)
+TRUNC_TEMPS = [1.0, 0.9, 1.0, 0.6, 0.8, 0.0]  # the last greedy: vLLM drops its truncation
 
 
 # vLLM's `support_torch_compile` wrapper on the inner model: off in eager mode, else it sets

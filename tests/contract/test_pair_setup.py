@@ -106,6 +106,40 @@ def test_pair_run_from_the_cli_arguments(tmp_path: Path) -> None:
     assert verbose.engine_log("isoexec") is None and verbose.locate_dir is None
 
 
+def test_pair_truncation_arguments_become_the_runs_truncation() -> None:
+    """--top-k/--top-p/--min-p: one `Truncation` every prompt is sampled and scored with;
+    none given is no truncation; values outside their domain are refused (exit 2, one line)."""
+    import argparse
+
+    from isoexec.ops.truncation import Truncation, TruncationError
+
+    parser = argparse.ArgumentParser()
+    pair.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["pair", "--top-k", "20", "--top-p", "0.95"])
+    assert pair.PairRun.from_args(args, "/m").truncation == Truncation(20, 0.95, 0.0)
+    assert pair.PairRun.from_args(parser.parse_args(["pair"]), "/m").truncation is None
+    with pytest.raises(TruncationError, match="top_p"):
+        pair.PairRun.from_args(parser.parse_args(["pair", "--top-p", "0"]), "/m")
+
+
+def test_greedy_and_raw_scoring_take_no_truncation() -> None:
+    """vLLM's SamplingParams drops top-k/top-p/min-p for a greedy request; a raw_logprobs
+    engine returns the untruncated row: the trainer's effective truncation is None then."""
+    from types import SimpleNamespace
+
+    from isoexec.megatron.logprobs import effective_truncation
+    from isoexec.ops.truncation import Truncation
+
+    cut = Truncation(top_k=20, top_p=0.95)
+    assert effective_truncation(cut, 0.6) is cut
+    assert effective_truncation(cut, 0.0) is None
+    assert effective_truncation(Truncation(), 0.6) is None
+    raw = SimpleNamespace(isoexec_logprobs_mode="raw_logprobs")
+    assert effective_truncation(cut, 0.6, raw) is None  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Truncation"):
+        effective_truncation((20, 0.95), 0.6)  # type: ignore[arg-type]
+
+
 class _Stop(Exception):
     pass
 

@@ -24,10 +24,13 @@ import json
 import secrets
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from isoexec.contract.architectures import text_config
+from isoexec.ops.truncation import Truncation, TruncationError
+from isoexec.tools.pair_args import PRESETS, add_parser
 from isoexec.tools.pair_lora import LoraArmError, attach_adapter, lora_handshake, lora_rank_for
 from isoexec.tools.pair_report import (
     ArmResult,
@@ -57,11 +60,10 @@ from isoexec.tools.pair_steps import (
     make_prompts,
     sample,
     sample_and_score,
+    score_completions,
     weight_fingerprints,
 )
 
-PRESETS = ("tiny-dense", "tiny-moe", "tiny-gdn", "tiny-qwen35", "tiny-qwen35-moe", "tiny-qwen35-vl",
-           "tiny-qwen35-moe-text", "tiny-dense-lora")  # fmt: skip
 # Presets that are another preset plus a random PEFT adapter (`--lora` with a made adapter).
 LORA_PRESETS = {"tiny-dense-lora": "tiny-dense"}
 TEMPERATURES = (1.0, 0.7)
@@ -86,7 +88,6 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
         build_model,
         load_hf_weights,
         megatron_parallel,
-        score,
         trainer_contract,
     )
 
@@ -97,6 +98,7 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
     vocab = int(text_config(hf_config)["vocab_size"])
     prompts = make_prompts(run.num_prompts, vocab, run.seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
+    truncs = None if run.truncation is None else [run.truncation] * len(prompts)
     arm = "isoexec" if isoexec else ("upstream-bi" if upstream_bi else "stock")
     lora_rank = None
     if run.lora is not None:
@@ -118,7 +120,7 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
             return _torchrun_arm(
                 engine, model_dir, dtype, isoexec=isoexec, options=options, tp=run.trainer_tp,
                 pp=run.trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
-                timings=timings, device=device,
+                timings=timings, device=device, truncation=run.truncation,
             )  # fmt: skip
     with _started(engine_cfg, arm) as (engine, timings), megatron_parallel(device=device):
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
@@ -143,17 +145,13 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
             status = f"MATCH {contract.hash[:12]}"
         progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()
-        completions = sample(engine, prompts, temps, max_tokens, lora=adapter)
+        completions = sample(engine, prompts, temps, max_tokens, adapter, truncs)
         timings["sampling"] = time.monotonic() - t0
         progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
         with trainer_mode(upstream_bi):
-            scored = {
-                t: score(model, _group(completions, temps, t), temperature=t)
-                for t in sorted(set(temps))
-            }
+            train, eng = score_completions(model, completions, temps, truncs)
         timings["scoring"] = time.monotonic() - t0
-        train, eng = align(completions, temps, scored)
         fingerprints = weight_fingerprints(model, engine, adapter if isoexec else None)
         report = None
         if isoexec and locate_dir is not None and not torch.equal(train, eng):
@@ -202,6 +200,7 @@ def _torchrun_arm(
     max_tokens: int,
     timings: dict[str, float],
     device: str = "cpu",
+    truncation: Truncation | None = None,
 ) -> ArmResult:
     """The arm with a TP/PP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
     after each rank offered its own contract, beside every engine worker) score the samples.
@@ -214,13 +213,15 @@ def _torchrun_arm(
     arm = "isoexec" if isoexec else "stock"
     progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
     t0 = time.monotonic()
-    completions = sample(engine, prompts, temps, max_tokens)
+    completions = sample(engine, prompts, temps, max_tokens, None, [truncation] * len(temps))
     timings["sampling"] = time.monotonic() - t0
     levels = sorted(set(temps))
+    cut = None if truncation is None else asdict(truncation)
     job: dict[str, Any] = {
         "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "device": device,
         "isoexec": isoexec, "options": options.to_dict(),
-        "groups": [{"temperature": t, "seqs": _group(completions, temps, t)} for t in levels],
+        "groups": [{"temperature": t, "truncation": cut, "seqs": _group(completions, temps, t)}
+                   for t in levels],
     }  # fmt: skip
     status, hashes, outcome = "n/a (stock arm)", {}, None
     progress(arm, f"scoring on a torchrun trainer of {tp * pp} ranks (TP={tp}, PP={pp})")
@@ -293,77 +294,6 @@ def locate_pair(
     return locate(Trace.read(tpath), Trace.read(epath))
 
 
-def add_parser(sub: Any) -> argparse.ArgumentParser:
-    p = sub.add_parser("pair", help="trainer vs engine, bitwise, IsoExec on and off")
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", help="a Hugging Face checkpoint directory")
-    src.add_argument("--preset", choices=PRESETS, default="tiny-dense")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    p.add_argument("--num-prompts", type=int, default=6)
-    p.add_argument("--max-tokens", type=int, default=8)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="runs/pair", help="where the model and results go")
-    p.add_argument(
-        "--arms",
-        default="isoexec,stock",
-        help="comma list of isoexec, stock, upstream-bi (vLLM's and Megatron's own "
-        "batch-invariant modes; CUDA only)",
-    )
-    p.add_argument(
-        "--engine-tp",
-        type=int,
-        default=1,
-        help="the engine's tensor-parallel degree (vLLM's executor); above 1 the isoexec arm "
-        "runs tp_invariant on both sides",
-    )
-    p.add_argument(
-        "--trainer-tp",
-        type=int,
-        default=1,
-        help="the trainer's tensor-parallel degree (a torchrun world of that many ranks, each "
-        "offering its own contract); above 1 the isoexec arm runs tp_invariant on both sides",
-    )
-    p.add_argument(
-        "--trainer-pp",
-        type=int,
-        default=1,
-        help="the trainer's pipeline-parallel degree (Megatron's schedule; the torchrun world "
-        "has trainer-tp x trainer-pp ranks)",
-    )
-    p.add_argument(
-        "--backend",
-        choices=BACKENDS,
-        default="torch",
-        help="the isoexec arm's canonical kernels, on both sides (trainer and engine options); "
-        "triton needs --device cuda, or TRITON_INTERPRET=1 on the CPU",
-    )
-    p.add_argument(
-        "--device",
-        choices=DEVICES,
-        default="cpu",
-        help="where the trainer is built and runs (cpu: gloo; cuda: NCCL, one GPU per trainer "
-        "rank); use the device of the engine's vLLM build",
-    )
-    p.add_argument(
-        "--verbose",
-        action="store_true",
-        help="show the engines' and the trainer's own logs (quiet by default; errors always show)",
-    )
-    p.add_argument(
-        "--lora",
-        metavar="ADAPTER_DIR",
-        help="a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors): the "
-        "isoexec arm samples and scores every prompt under it (preset tiny-dense-lora makes one)",
-    )
-    p.add_argument(
-        "--locate",
-        action="store_true",
-        help="if the isoexec arm is not 100%% bitwise, trace both sides and print the first "
-        "divergent site (traces in OUT/locate/)",
-    )
-    return p
-
-
 # (import name, distribution to install): what `isoexec pair` needs of each side.
 SIDES = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"),
          ("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
@@ -419,7 +349,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before anything starts (no model made, no engine)
         check_setup(args.device, args.backend, trainer_ranks=args.trainer_tp * args.trainer_pp)
         check_arms(args.arms.split(","), PairRun.from_args(args, ""))
-    except PairSetupError as e:
+    except (PairSetupError, TruncationError) as e:
         print(f"isoexec pair: {e}", flush=True)
         return 2
     out = Path(args.out)

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isoexec.ops.truncation import Truncation
+
 DEVICES = ("cpu", "cuda")  # where the trainer runs (`megatron_parallel(device=)`)
 BACKENDS = ("torch", "triton")  # `IsoExecOptions.backend` (`isoexec.ops.BACKENDS`)
 # isoexec: IsoExec on both sides. stock: both sides as upstream ships them. upstream-bi: both
@@ -24,6 +26,12 @@ ARMS = ("isoexec", "stock", "upstream-bi")
 # (vLLM's own default, 0.9, would refuse to start beside the trainer or the last family's).
 ENGINE_GPU_SHARE = 0.3
 UPSTREAM_BI_ENV = (("VLLM_BATCH_INVARIANT", "1"),)
+
+
+def _truncation(args: Any) -> Truncation | None:
+    cut = Truncation(getattr(args, "top_k", 0), getattr(args, "top_p", 1.0),
+                     getattr(args, "min_p", 0.0))  # fmt: skip
+    return cut if cut.active else None
 
 
 @dataclass(frozen=True)
@@ -44,6 +52,7 @@ class PairRun:
     locate: bool = False  # trace an isoexec arm that is not 100% bitwise (into out/locate)
     out: Path | None = None  # where engine logs and traces go
     verbose: bool = False  # the engines' and the trainer's own logs on the console
+    truncation: Truncation | None = None  # top-k/top-p/min-p every prompt is sampled with
 
     @property
     def trainer_ranks(self) -> int:
@@ -65,7 +74,7 @@ class PairRun:
             max_tokens=args.max_tokens, seed=args.seed, engine_tp=args.engine_tp,
             trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, backend=args.backend,
             device=args.device, lora=args.lora, locate=args.locate, out=Path(args.out),
-            verbose=args.verbose,
+            verbose=args.verbose, truncation=_truncation(args),
         )  # fmt: skip
 
 

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from isoexec.ops.truncation import Truncation
+
 
 def score_on_torchrun(
     job: dict[str, Any], nproc: int, *, timeout_s: float = 900.0
@@ -75,8 +77,10 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
             if not v.matched:
                 return out  # nothing is scored for a run that did not MATCH
         out["logprobs"] = [
-            score(model, g["seqs"], temperature=float(g["temperature"])) for g in job["groups"]
-        ]
+            score(model, g["seqs"], temperature=float(g["temperature"]),
+                  truncation=Truncation(**g["truncation"]) if g.get("truncation") else None)
+            for g in job["groups"]
+        ]  # fmt: skip
     return out
 
 

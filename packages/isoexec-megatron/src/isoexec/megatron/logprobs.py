@@ -37,15 +37,17 @@ def effective_temperature(temperature: float, model: torch.nn.Module | None = No
 
 
 def effective_truncation(
-    truncation: Truncation | None, model: torch.nn.Module | None = None
+    truncation: Truncation | None, temperature: float, model: torch.nn.Module | None = None
 ) -> Truncation | None:
-    """The truncation the logprobs are taken under: None when off, and None for a model
-    scoring `raw_logprobs` (an engine in that mode returns the logprobs before truncation)."""
+    """The truncation the logprobs are taken under: None when off; None for a greedy request
+    (vLLM's `SamplingParams` turns top-k, top-p and min-p off below its temperature epsilon);
+    None for a model scoring `raw_logprobs` (such an engine returns the logprobs before
+    truncation)."""
     if truncation is not None and not isinstance(truncation, Truncation):
         raise TypeError(
             f"truncation must be an isoexec.ops.truncation.Truncation, not {truncation!r}"
         )
-    if truncation is None or not truncation.active:
+    if truncation is None or not truncation.active or float(temperature) < SAMPLING_EPS:
         return None
     if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
         return None

@@ -263,7 +263,7 @@ def score(
     vocab = vocab_size(model)
     all_ids = [_as_ids(s, vocab) for s in sequences]
     t = effective_temperature(temperature, model)
-    trunc = effective_truncation(truncation, model)
+    trunc = effective_truncation(truncation, temperature, model)
     iso = is_isoexec(model)
     if not iso and (max_tokens is not None or pad_to_multiple is not None):
         raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
@@ -455,8 +455,8 @@ def policy_logprobs(
     """
     vocab = vocab_size(model)
     ids = [_as_ids(s, vocab) for s in sequences]
+    trunc = effective_truncation(truncation, temperature, model)
     temperature = effective_temperature(temperature, model)
-    trunc = effective_truncation(truncation, model)
     if is_isoexec(model):
         return packed_logprobs(model, ids, temperature, truncation=trunc)
     return [_forward_logprobs(model, i, temperature, trunc) for i in ids]

@@ -44,6 +44,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.handshake.served import (
     ADAPTER_CONFIG_HEADER,
     ADAPTER_NAME_HEADER,
@@ -205,6 +206,8 @@ async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitab
     adapters = _serving_models(request).lora_requests
     adapter = name if isinstance(name, str) and name in adapters else None
     try:
+        if float(effective["temperature"]) < SAMPLING_EPS:  # greedy: vLLM drops truncation
+            effective.update(top_k=0, top_p=1.0, min_p=0.0)
         record = SamplingRecord(float(effective["temperature"]), str(model_config.logprobs_mode),
                                 GATE.weights_version, adapter, int(effective["top_k"]),
                                 float(effective["top_p"]), float(effective["min_p"]))  # fmt: skip
