@@ -22,7 +22,7 @@ from _faults import narrow_attention_lanes
 from isoexec.megatron import trainer_contract
 from isoexec.ops.truncation import Truncation
 from isoexec.tools.pair import handshake, make_prompts, sample_and_score
-from isoexec.tools.pair_steps import sample, score_completions
+from isoexec.tools.pair_steps import sample, score_completions, score_full_rows
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -47,7 +47,10 @@ _COMPILED = operator.attrgetter("model_runner.model.model.compiled")
 
 
 def _engine(engine_pool: Callable[..., Any], model: str, dtype: str, isoexec: bool) -> Any:
-    return engine_pool(model=model, dtype=dtype, isoexec=isoexec, max_num_batched_tokens=CHUNK)
+    """max_logprobs=-1: whole processed rows may be asked for (full-vocab comparisons)."""
+    return engine_pool(
+        model=model, dtype=dtype, isoexec=isoexec, max_num_batched_tokens=CHUNK, max_logprobs=-1
+    )
 
 
 def _hf(model: str) -> dict[str, Any]:
@@ -86,10 +89,16 @@ def test_trainer_equals_engine_bitwise(
 
     # Truncated sampling (the same engine, so no second start): top-k, top-p, min-p and
     # combined, each request with its own settings in one batch, scored with the same.
-    done = sample(engine, prompts, TRUNC_TEMPS, 6, truncations=TRUNCATIONS)
+    # Whole processed rows come back too (vLLM's logprobs=-1) and equal the trainer's.
+    done = sample(engine, prompts, TRUNC_TEMPS, 6, truncations=TRUNCATIONS, full_vocab=True)
     train, eng = score_completions(trainer, done, TRUNC_TEMPS, TRUNCATIONS)
     assert torch.equal(train, eng), (train - eng).abs().max()
     assert torch.isfinite(train).all()  # every sampled token is in the trainer's kept set
+    train_rows, engine_rows = score_full_rows(trainer, done, TRUNC_TEMPS, TRUNCATIONS)
+    assert train_rows.shape == (train.numel(), _hf(model_dir)["vocab_size"])
+    assert torch.equal(train_rows, engine_rows)
+    kept = torch.isfinite(engine_rows).sum(-1)
+    assert int(kept.min()) >= 1 and int(kept.max()) == engine_rows.shape[1]  # truncated and not
     # Negative control: the trainer scoring the same tokens without the truncation differs.
     untruncated, _ = score_completions(trainer, done, TRUNC_TEMPS)
     assert not torch.equal(untruncated, eng)
@@ -112,6 +121,12 @@ def test_negative_control_stock_arm_differs(
     print(f"stock arm {dtype}: {mismatches}/{train.numel()} tokens differ")
     assert mismatches > 0
     assert float((train - eng).abs().max()) < 0.5  # the same model, just other kernels
+    # Whole rows: the stock arm's differ too (the full-vocab comparison can fail).
+    done = sample(engine, prompts, TEMPS, 4, full_vocab=True)
+    train_rows, engine_rows = score_full_rows(trainer, done, TEMPS)
+    equal_rows = int((train_rows == engine_rows).all(-1).sum())
+    print(f"stock arm {dtype}: {equal_rows}/{train_rows.shape[0]} full rows bitwise")
+    assert equal_rows < train_rows.shape[0]
 
 
 def test_stock_arm_serves_qwen3_5_causal_lm(

@@ -81,3 +81,33 @@ def test_results_json_is_strict_when_an_arm_has_no_tokens(tmp_path: Path) -> Non
 
     doc = json.loads(text, parse_constant=strict)
     assert doc["arms"][0]["stats"]["max_abs_diff"] is None
+
+
+def test_full_vocab_stats_count_bitwise_rows_and_the_worst_entry() -> None:
+    """-inf on both sides (outside the kept set) is equal; on one side only, an infinite
+    difference; one flipped last bit makes its row not bitwise."""
+    from isoexec.tools.pair_report import FullVocabStats
+
+    inf = float("-inf")
+    train = torch.tensor([[-1.0, -2.0, inf], [-0.5, -1.5, -3.0], [-0.1, inf, inf]])
+    same = FullVocabStats.of(train, train.clone())
+    assert (same.rows, same.rows_bitwise, same.max_abs_diff) == (3, 3, 0.0)
+    engine = train.clone()
+    engine[1, 2] = torch.nextafter(engine[1, 2], torch.tensor(0.0))
+    one_bit = FullVocabStats.of(train, engine)
+    assert one_bit.rows_bitwise == 2 and 0 < one_bit.max_abs_diff < 1e-5
+    engine[2, 1] = -4.0  # kept on the engine, not on the trainer
+    assert FullVocabStats.of(train, engine).max_abs_diff == float("inf")
+    with pytest.raises(ValueError, match="rows"):
+        FullVocabStats.of(train, train[:2])
+
+
+def test_the_table_shows_the_full_vocab_line() -> None:
+    from isoexec.tools.pair_report import FullVocabStats, arm_result, format_table
+
+    lp = torch.tensor([-1.0, -2.0])
+    r = arm_result("isoexec", "MATCH abc", lp, lp.clone(), [1.0, 1.0],
+                   full_vocab=FullVocabStats(2, 2, 0.0))  # fmt: skip
+    table = format_table("m", "float32", [r])
+    assert "full vocab: 2/2 rows bitwise (100.0%), max |Δ| over all entries 0.000e+00" in table
+    assert r.to_json()["full_vocab"] == {"rows": 2, "rows_bitwise": 2, "max_abs_diff": 0.0}

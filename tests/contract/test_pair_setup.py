@@ -122,6 +122,22 @@ def test_pair_truncation_arguments_become_the_runs_truncation() -> None:
         pair.PairRun.from_args(parser.parse_args(["pair", "--top-p", "0"]), "/m")
 
 
+def test_full_vocab_asks_the_engine_for_whole_rows_and_refuses_a_torchrun_trainer() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    pair.add_parser(parser.add_subparsers())
+    run = pair.PairRun.from_args(parser.parse_args(["pair", "--full-vocab"]), "/m")
+    assert run.full_vocab and pair.arm_settings(run, isoexec=True)[1].max_logprobs == -1
+    plain = pair.PairRun.from_args(parser.parse_args(["pair"]), "/m")
+    assert pair.arm_settings(plain, isoexec=True)[1].max_logprobs is None
+    wide = pair.PairRun.from_args(
+        parser.parse_args(["pair", "--full-vocab", "--trainer-tp", "2"]), "/m"
+    )
+    with pytest.raises(pair.PairSetupError, match="--full-vocab"):
+        pair.check_arms(["isoexec"], wide)
+
+
 def test_greedy_and_raw_scoring_take_no_truncation() -> None:
     """vLLM's SamplingParams drops top-k/top-p/min-p for a greedy request; a raw_logprobs
     engine returns the untruncated row: the trainer's effective truncation is None then."""

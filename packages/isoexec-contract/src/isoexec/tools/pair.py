@@ -34,6 +34,7 @@ from isoexec.tools.pair_args import PRESETS, add_parser
 from isoexec.tools.pair_lora import LoraArmError, attach_adapter, lora_handshake, lora_rank_for
 from isoexec.tools.pair_report import (
     ArmResult,
+    FullVocabStats,
     arm_result,
     format_table,
     progress,
@@ -61,6 +62,7 @@ from isoexec.tools.pair_steps import (
     sample,
     sample_and_score,
     score_completions,
+    score_full_rows,
     weight_fingerprints,
 )
 
@@ -145,12 +147,13 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
             status = f"MATCH {contract.hash[:12]}"
         progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()
-        completions = sample(engine, prompts, temps, max_tokens, adapter, truncs)
+        completions = sample(engine, prompts, temps, max_tokens, adapter, truncs, run.full_vocab)
         timings["sampling"] = time.monotonic() - t0
         progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
         with trainer_mode(upstream_bi):
             train, eng = score_completions(model, completions, temps, truncs)
+            rows = score_full_rows(model, completions, temps, truncs) if run.full_vocab else None
         timings["scoring"] = time.monotonic() - t0
         fingerprints = weight_fingerprints(model, engine, adapter if isoexec else None)
         report = None
@@ -162,6 +165,7 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
     return arm_result(
         arm, status, train, eng, token_temperatures(completions, temps), contract_hashes=hashes,
         verdict=verdict, weight_fingerprints=fingerprints, timings_s=timings, locate=report,
+        full_vocab=None if rows is None else FullVocabStats.of(*rows),
     )  # fmt: skip
 
 
@@ -404,7 +408,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"isoexec pair: plot in {plot}", flush=True)
     iso = [r for r in results if r.arm == "isoexec"]
-    return 0 if all(r.bitwise_equal == r.tokens and r.tokens > 0 for r in iso) else 1
+    rows_ok = all(r.full_vocab is None or r.full_vocab.rows_bitwise == r.full_vocab.rows
+                  for r in iso)  # fmt: skip
+    return 0 if rows_ok and all(r.bitwise_equal == r.tokens and r.tokens > 0 for r in iso) else 1
 
 
 __all__ = [  # the shared steps are re-exported: callers import them from here

@@ -89,3 +89,9 @@ def add_truncation_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="top-k (0 or -1: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="top-p (1.0: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p (0.0: off)")
+    p.add_argument(
+        "--full-vocab",
+        action="store_true",
+        help="also compare each sampled position's whole processed logprob row, trainer "
+        "against engine (vLLM's logprobs=-1): rows bitwise and max |Δ| over all entries",
+    )

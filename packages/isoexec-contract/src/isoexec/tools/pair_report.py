@@ -55,6 +55,32 @@ class TokenStats:
 
 
 @dataclass(frozen=True)
+class FullVocabStats:
+    """Whole processed rows of every sampled position, trainer against engine: how many rows
+    are bitwise equal, and the max |Δ| over every entry (entries -inf on both sides, outside
+    the kept set, are equal; -inf on one side only is an infinite difference)."""
+
+    rows: int
+    rows_bitwise: int
+    max_abs_diff: float
+
+    @staticmethod
+    def of(train_rows: Any, engine_rows: Any) -> FullVocabStats:
+        import torch
+
+        if train_rows.shape != engine_rows.shape:
+            raise ValueError(f"rows {tuple(train_rows.shape)} vs {tuple(engine_rows.shape)}")
+        same = train_rows == engine_rows
+        diff = torch.where(same, 0.0, (train_rows.double() - engine_rows.double()).abs())
+        worst = float(diff.max()) if diff.numel() else float("nan")
+        return FullVocabStats(int(train_rows.shape[0]), int(same.all(-1).sum()), worst)
+
+    @property
+    def equal_fraction(self) -> float:
+        return self.rows_bitwise / self.rows if self.rows else 0.0
+
+
+@dataclass(frozen=True)
 class ArmResult:
     arm: str  # "isoexec" or "stock"
     handshake: str  # "MATCH <hash>" or "n/a (stock arm)"
@@ -72,6 +98,7 @@ class ArmResult:
     timings_s: dict[str, float] = field(default_factory=dict)  # engine_start, sampling, scoring
     locate: str | None = None  # the `isoexec locate` report, when --locate traced this arm
     error: str | None = None  # the stock arm could not run (e.g. a kernel stock vLLM lacks)
+    full_vocab: FullVocabStats | None = None  # with --full-vocab: whole rows compared
     # Per-token |Δ logprob| and ratio, for the plot (not written to the JSON).
     abs_diffs: tuple[float, ...] = field(default=(), repr=False)
     ratios: tuple[float, ...] = field(default=(), repr=False)
@@ -162,6 +189,12 @@ def format_table(model: str, dtype: str, results: Sequence[ArmResult]) -> str:
             tm = ", ".join(f"{k} {v:.1f}s" for k, v in r.timings_s.items())
             identity.append(f"{r.arm}: contracts {ch} verdict {r.verdict or '-'}; "
                             f"weights {fp}; {tm}")  # fmt: skip
+    for r in results:
+        if r.error is None and r.full_vocab is not None:
+            fv = r.full_vocab
+            rows.append(f"{r.arm:<8} full vocab: {fv.rows_bitwise}/{fv.rows} rows bitwise "
+                        f"({100 * fv.equal_fraction:.1f}%), max |Δ| over all entries "
+                        f"{fv.max_abs_diff:.3e}")  # fmt: skip
     return "\n".join([head, *rows, *identity])
 
 

@@ -53,6 +53,7 @@ class PairRun:
     out: Path | None = None  # where engine logs and traces go
     verbose: bool = False  # the engines' and the trainer's own logs on the console
     truncation: Truncation | None = None  # top-k/top-p/min-p every prompt is sampled with
+    full_vocab: bool = False  # compare whole processed rows too (the engine: max_logprobs=-1)
 
     @property
     def trainer_ranks(self) -> int:
@@ -75,6 +76,7 @@ class PairRun:
             trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, backend=args.backend,
             device=args.device, lora=args.lora, locate=args.locate, out=Path(args.out),
             verbose=args.verbose, truncation=_truncation(args),
+            full_vocab=getattr(args, "full_vocab", False),
         )  # fmt: skip
 
 
@@ -83,11 +85,14 @@ class PairSetupError(ValueError):
 
 
 def check_arms(arms: list[str], run: PairRun) -> None:
-    """Refuse an arm `isoexec pair` does not know (never run it as another), and the
-    upstream-bi arm where upstream's modes cannot run, with the reason."""
+    """Refuse an arm `isoexec pair` does not know (never run it as another), the upstream-bi
+    arm where upstream's modes cannot run, and --full-vocab with a torchrun trainer, with the
+    reason."""
     unknown = [a for a in arms if a not in ARMS]
     if unknown or not arms:
         raise PairSetupError(f"--arms {','.join(arms)!r}: known arms {', '.join(ARMS)}")
+    if run.full_vocab and run.trainer_ranks > 1:
+        raise PairSetupError("--full-vocab scores on the in-process trainer (--trainer-tp/-pp 1)")
     if "upstream-bi" not in arms:
         return
     if run.device != "cuda":
@@ -171,6 +176,7 @@ def arm_settings(
         lora=None if lora_rank is None else (lora_rank, 1),
         extra_env=UPSTREAM_BI_ENV if upstream_bi else (),
         gpu_memory_utilization=ENGINE_GPU_SHARE if run.device == "cuda" else None,
+        max_logprobs=-1 if run.full_vocab else None,
     )  # fmt: skip
     return options, engine_cfg
 

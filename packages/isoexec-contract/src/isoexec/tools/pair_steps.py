@@ -38,16 +38,24 @@ def sample(
     max_tokens: int,
     lora: Any = None,
     truncations: list[Truncation | None] | None = None,
+    full_vocab: bool = False,
 ) -> list[Any]:
     """The engine samples `max_tokens` tokens per prompt, each at its temperature and under
     its truncation (top-k / top-p / min-p, if given), under the adapter `lora` (a
-    `LoraAdapter` the engine has added) if given."""
+    `LoraAdapter` the engine has added) if given; `full_vocab`: each sampled position's whole
+    processed row comes back too (the engine needs max_logprobs=-1)."""
     from isoexec.vllm.engine_process import SamplingSpec
 
     engine.call("reset_prefix_cache")
     truncs = truncations or [None] * len(temps)
     specs = [
-        SamplingSpec(max_tokens=max_tokens, temperature=t, lora=lora, **_spec_fields(tr))
+        SamplingSpec(
+            max_tokens=max_tokens,
+            temperature=t,
+            lora=lora,
+            full_vocab=full_vocab,
+            **_spec_fields(tr),
+        )
         for t, tr in zip(temps, truncs, strict=True)
     ]
     return engine.generate(prompts, specs)
@@ -60,8 +68,13 @@ def _spec_fields(truncation: Truncation | None) -> dict[str, Any]:
 
 
 def _levels(keys: Sequence[Hashable]) -> list[Hashable]:
-    """The distinct sampling settings of a batch, in first-seen order."""
-    return list(dict.fromkeys(keys))
+    """The distinct sampling settings of a batch, by temperature (`token_temperatures`'s
+    order), then truncation."""
+
+    def order(key: Any) -> tuple[float, str]:
+        return (float(key), "") if isinstance(key, (int, float)) else (float(key[0]), repr(key[1]))
+
+    return sorted(set(keys), key=order)
 
 
 def _group(completions: list[Any], keys: Sequence[Hashable], key: Hashable) -> list[list[int]]:
@@ -103,6 +116,34 @@ def score_completions(
         for k in _levels(keys)
     }
     return align(completions, keys, scored)
+
+
+def score_full_rows(
+    model: Any,
+    completions: list[Any],
+    temps: list[float],
+    truncations: list[Truncation | None] | None = None,
+) -> tuple[Any, Any]:
+    """(trainer, engine) whole processed rows [tokens, V] of every sampled position, in
+    `align`'s order: the trainer's `score(..., full_vocab=True)` against the rows the engine
+    returned (`sample(..., full_vocab=True)`)."""
+    import torch
+
+    from isoexec.megatron import score
+
+    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
+    train_rows, engine_rows = [], []
+    for key in _levels(keys):
+        group = [c for c, k in zip(completions, keys, strict=True) if k == key]
+        seqs = [c.prompt_token_ids + c.token_ids for c in group]
+        t, cut = key  # type: ignore[misc]
+        rows = score(model, seqs, temperature=t, truncation=cut, full_vocab=True)
+        for c, r in zip(group, rows, strict=True):
+            if c.full_logprobs is None:
+                raise ValueError("the completions were sampled without full_vocab=True")
+            train_rows.append(r[-len(c.token_ids) :].float())
+            engine_rows.append(torch.tensor(c.full_logprobs, dtype=torch.float32))
+    return torch.cat(train_rows), torch.cat(engine_rows)
 
 
 def sample_and_score(

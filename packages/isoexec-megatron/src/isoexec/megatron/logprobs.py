@@ -69,6 +69,15 @@ def truncated(
     return logits.float().masked_fill(~keep, float("-inf"))
 
 
+def full_rows(
+    logits: torch.Tensor, temperature: float = 1.0, truncation: Truncation | None = None
+) -> torch.Tensor:
+    """The whole processed row [n-1, V] of positions 0..n-2 (what the engine returns with
+    logprobs=-1): fp32 log_softmax of `logits / T` over each row's kept set (-inf outside)."""
+    rows = truncated(ops, logits[:-1], temperature, truncation)
+    return ops.log_softmax(rows, temperature=temperature)
+
+
 def token_logprobs(
     logits: torch.Tensor,
     ids: torch.Tensor,
@@ -105,20 +114,24 @@ def full_vocab(model: torch.nn.Module, logits: torch.Tensor) -> torch.Tensor:
 def site_logprobs(
     model: torch.nn.Module,
     logits: torch.Tensor,
-    next_ids: torch.Tensor,
+    next_ids: torch.Tensor | None,
     temperature: float,
     truncation: Truncation | None = None,
 ) -> torch.Tensor:
     """fp32 logprobs of `next_ids` under rows of full-vocab `logits`, through the logprobs
-    binding of an IsoExec model (what its contract records for the `logprobs` site)."""
+    binding of an IsoExec model (what its contract records for the `logprobs` site); with
+    `next_ids` None, the whole processed rows [n, V]."""
     site = model.isoexec_ops  # type: ignore[union-attr]
     rows = truncated(site, logits, temperature, truncation)
+    if next_ids is None:  # the whole rows (full-vocab scoring)
+        return site.log_softmax(rows, temperature=temperature)  # type: ignore[operator,no-any-return]
     return site.token_logprobs(rows, next_ids, temperature=temperature)  # type: ignore[operator,no-any-return]
 
 
 __all__ = [
     "effective_temperature",
     "effective_truncation",
+    "full_rows",
     "full_vocab",
     "is_isoexec",
     "site_logprobs",

@@ -34,6 +34,7 @@ from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 from isoexec.megatron.logprobs import (
     effective_temperature,
     effective_truncation,
+    full_rows,
     full_vocab,
     is_isoexec,
     site_logprobs,
@@ -89,7 +90,11 @@ def _pipelined(model: torch.nn.Module) -> bool:
 
 
 def _forward_logprobs(
-    model: torch.nn.Module, ids: torch.Tensor, temperature: float, trunc: Truncation | None = None
+    model: torch.nn.Module,
+    ids: torch.Tensor,
+    temperature: float,
+    trunc: Truncation | None = None,
+    rows: bool = False,
 ) -> torch.Tensor:
     """Native path: one sequence, batch size 1, Megatron's default causal mask."""
     device = next(model.parameters()).device
@@ -98,7 +103,10 @@ def _forward_logprobs(
     inputs = {"input_ids": input_ids, "position_ids": position_ids, "attention_mask": None}
 
     def logprobs(logits: torch.Tensor) -> torch.Tensor:  # [1, n, V]
-        return token_logprobs(full_vocab(model, logits)[0], input_ids[0], temperature, trunc)
+        logits = full_vocab(model, logits)[0]
+        if rows:
+            return full_rows(logits, temperature, trunc)
+        return token_logprobs(logits, input_ids[0], temperature, trunc)
 
     if not _pipelined(model):
         return logprobs(model(**inputs))
@@ -182,10 +190,12 @@ def _pack_logprobs(
     logits: torch.Tensor,
     temperature: float,
     trunc: Truncation | None = None,
+    whole_rows: bool = False,
 ) -> list[torch.Tensor]:
-    """Per sequence fp32 [n-1] logprobs from the pack's [1, T, vocab(/TP)] logits."""
+    """Per sequence fp32 [n-1] logprobs (`whole_rows`: [n-1, V] processed rows) from the
+    pack's [1, T, vocab(/TP)] logits."""
     rows = full_vocab(model, logits)[0][pack.rows]
-    lp = site_logprobs(model, rows, pack.nxt, temperature, trunc)
+    lp = site_logprobs(model, rows, None if whole_rows else pack.nxt, temperature, trunc)
     return list(lp.split([n - 1 for n in pack.lens]))
 
 
@@ -196,6 +206,7 @@ def packed_logprobs(
     *,
     pad_to_multiple: int | None = None,
     truncation: Truncation | None = None,
+    whole_rows: bool = False,
 ) -> list[torch.Tensor]:
     """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
 
@@ -206,10 +217,11 @@ def packed_logprobs(
         raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
     pack = _pack(model, seqs, pad_to_multiple)
     if not _pipelined(model):
-        return _pack_logprobs(model, pack, model(**pack.inputs), temperature, truncation)
+        logits = model(**pack.inputs)
+        return _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows)
 
     def last(logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        lps = _pack_logprobs(model, pack, logits, temperature, truncation)
+        lps = _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows)
         return logits.sum() * 0, [lp.detach() for lp in lps]
 
     return broadcast_from_last_stage(
@@ -250,10 +262,13 @@ def score(
     max_tokens: int | None = None,
     pad_to_multiple: int | None = None,
     truncation: Truncation | None = None,
+    full_vocab: bool = False,
 ) -> list[torch.Tensor]:
     """Per-token logprobs (fp32, length n-1) of each sequence at `temperature`; no gradients,
     eval mode (restored afterwards). `truncation`: the top-k / top-p / min-p the sequences
     were sampled with; the logprobs are then renormalised over each position's kept set.
+    `full_vocab`: each position's whole processed row instead ([n-1, V], -inf outside the
+    kept set), for KL and entropy terms; what an engine returns with logprobs=-1.
 
     isoexec model: packed forwards of at most `max_tokens` tokens (default: all in one), each
     padded to a multiple of `pad_to_multiple`; the bits do not depend on either. A temperature
@@ -273,7 +288,9 @@ def score(
         with torch.no_grad():
             if not iso:
                 _check_equal_forwards_over_ep(model, len(all_ids))
-                return [_forward_logprobs(model, ids, t, trunc).cpu() for ids in all_ids]
+                return [
+                    _forward_logprobs(model, ids, t, trunc, full_vocab).cpu() for ids in all_ids
+                ]
             out: list[torch.Tensor] = [torch.empty(0)] * len(all_ids)
             packs = _packs([int(i.numel()) for i in all_ids], max_tokens)
             _check_equal_forwards_over_ep(model, len(packs))
@@ -284,6 +301,7 @@ def score(
                     t,
                     pad_to_multiple=pad_to_multiple,
                     truncation=trunc,
+                    whole_rows=full_vocab,
                 )
                 for i, lp in zip(pack, lps, strict=True):
                     out[i] = lp.cpu()

@@ -20,89 +20,25 @@ import os
 import signal
 import time
 import traceback
-from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
-from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY, ServedHandshake
+from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY
+from isoexec.vllm.engine_types import Completion, EngineConfig, LoraAdapter, SamplingSpec
 
 _LIVE_GROUPS: set[int] = set()
 WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Everything that decides how the engine is built; one object instead of many flags."""
-
-    model: str
-    dtype: str = "float32"
-    isoexec: bool = False
-    max_model_len: int = 512
-    enable_prefix_caching: bool = True
-    max_num_batched_tokens: int | None = None
-    multiprocessing: bool = False
-    # KV cache reserved up front. vLLM-CPU's own knob is whole GiB per engine, which a test
-    # suite running several engines cannot afford; tiny models need a few MiB.
-    kv_cache_bytes: int = 128 * 2**20
-    # CUDA: the share of the GPU's memory vLLM requires free at start (its default, 0.9,
-    # refuses to start beside a trainer on the same GPU); None: vLLM's default. Unused on CPU.
-    gpu_memory_utilization: float | None = None
-    seed: int = 0
-    # vLLM's logprobs mode; None: the options' (`processed_logprobs` unless they say raw), the
-    # logprobs of the distribution actually sampled from (after temperature), what PPO needs.
-    logprobs_mode: str | None = None
-    extra_env: tuple[tuple[str, str], ...] = ()  # hashable: configs key the engine pool
-    # Where the engine's own output goes (stdout and stderr of the engine process and of every
-    # process it starts: vLLM's logs, warnings, progress bars); None: this process's. Errors
-    # reach the caller either way, as the EngineError's traceback.
-    log_file: str | None = None
-    # Which canonical variants run (isoexec only); reaches the workers as additional_config.
-    options: IsoExecOptions = field(default_factory=IsoExecOptions)
-    # Where each worker offers its contract as soon as it has loaded the checkpoint (isoexec
-    # only; as `isoexec engine serve --handshake-*`); None: offer on request (`handshake`).
-    handshake: ServedHandshake | None = None
-    # vLLM's own tensor parallelism: its multiprocess executor, one worker per rank (gloo on
-    # CPU), each bound to its share of this process's CPUs (`cpu_binding`).
-    tensor_parallel_size: int = 1
-    # vLLM's default mode, compiled (torch.compile of the model; CUDA graphs on GPU), as users
-    # run it; the canonical ops are opaque to the compiler (`compiled_ops`). True: eager.
-    enforce_eager: bool = False
-    # LoRA (vLLM's `enable_lora`): None off, else (max_lora_rank, max_loras). The rank is the
-    # padded rank of the canonical LoRA op, which the contract records.
-    lora: tuple[int, int] | None = None
-
-
-@dataclass(frozen=True)
-class LoraAdapter:
-    """An adapter a request runs under: vLLM's `LoRARequest(name, int_id, path)`."""
-
-    name: str
-    int_id: int
-    path: str
-
-
-@dataclass(frozen=True)
-class SamplingSpec:
-    max_tokens: int = 8
-    temperature: float = 1.0
-    prompt_logprobs: bool = False
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    # Further `SamplingParams` fields, as (name, value) pairs (hashable), e.g. a logit bias:
-    # how a test asks for a setting the admission check must refuse.
-    extra: tuple[tuple[str, Any], ...] = ()
-    lora: LoraAdapter | None = None
-
-
-@dataclass(frozen=True)
-class Completion:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]  # logprob of each sampled token (fp32 values, exact as Python floats)
-    prompt_logprobs: list[float] | None  # for prompt tokens 1..n-1, when asked
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+def _full_row(step: dict[int, Any], vocab: int) -> list[float]:
+    """One position's {token id: Logprob} (every id, as vLLM returns logprobs=-1) as a row."""
+    if len(step) < vocab:
+        raise RuntimeError(f"a full-vocab position returned {len(step)} of {vocab} logprobs")
+    row = [0.0] * vocab
+    for token, lp in step.items():
+        row[token] = lp.logprob
+    return row
 
 
 class EngineError(RuntimeError):
@@ -329,6 +265,8 @@ class _Handler:
         if config.max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = config.max_num_batched_tokens
             kwargs["enable_chunked_prefill"] = True
+        if config.max_logprobs is not None:
+            kwargs["max_logprobs"] = config.max_logprobs
         if config.lora is not None:
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"], kwargs["max_loras"] = config.lora
@@ -350,7 +288,7 @@ class _Handler:
                 top_p=s.top_p,
                 top_k=s.top_k,
                 min_p=s.min_p,
-                logprobs=0,
+                logprobs=-1 if s.full_vocab else 0,
                 prompt_logprobs=0 if s.prompt_logprobs else None,
                 detokenize=False,
                 ignore_eos=True,
@@ -366,6 +304,7 @@ class _Handler:
             lora_request=loras if any(loras) else None,
         )
         result = []
+        vocab = self.llm.llm_engine.model_config.get_vocab_size()
         for prompt, out in zip(prompts, outs, strict=True):
             comp = out.outputs[0]
             toks = list(comp.token_ids)
@@ -377,7 +316,10 @@ class _Handler:
                     for t, step in zip(prompt[1:], out.prompt_logprobs[1:], strict=True)
                 ]
             cached = int(getattr(out, "num_cached_tokens", 0) or 0)
-            result.append(Completion(list(prompt), toks, lps, plps, cached))
+            rows = None
+            if any(s.full_vocab for s in specs):
+                rows = [_full_row(step, vocab) for step in comp.logprobs]
+            result.append(Completion(list(prompt), toks, lps, plps, cached, rows))
         return result
 
     def sites(self) -> list[tuple[str, tuple[Any, ...]]]:
