@@ -147,3 +147,30 @@ def test_processed_logprobs_are_renormalised_over_the_kept_set() -> None:
 def test_settings_outside_their_domain_are_refused(kwargs: dict, message: str) -> None:
     with pytest.raises(TruncationError, match=message):
         Truncation(**kwargs)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_rows_with_a_top_k_sort_a_prefix_and_keep_what_the_full_sort_keeps(seed: int) -> None:
+    """The top-k rows' fast path (a top-k selection, ties at the boundary added, re-sorted)
+    against the whole-row sort, on a vocabulary of 5000 with heavy ties (values on a grid of
+    8 levels: k cuts through ties of hundreds of tokens) and rows of all-equal logits."""
+    from isoexec.ops.truncation import _kept_lengths, _sorted_prefix
+
+    v, b = 5000, 8
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 8, (b, v), generator=g).float() / 2
+    x[1] = 0.25  # all tied
+    x[2, :3] = 9.0  # three tied at the top, then the grid
+    temps = torch.tensor([1.0, 0.7, 1.3, 0.5, 1.0, 0.9, 2.0, 1.0])
+    rows = RowTruncation(
+        torch.tensor([20, 7, 2, 300, 1, 4999, 5000, 50]),
+        torch.tensor([1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.8, 1.0], dtype=torch.float32),
+        torch.tensor([0.0, 0.0, 0.1, 0.05, 0.0, 0.0, 0.2, 0.5], dtype=torch.float32),
+    )
+    fast = truncation_mask(x, temps, rows)
+    order = _sorted_prefix(x, None)  # the whole-row sort, every row
+    s = x.gather(-1, order) / temps[:, None].expand(-1, v)
+    n = _kept_lengths(s, rows, v)
+    full = torch.zeros_like(fast).scatter_(-1, order, torch.arange(v)[None, :] < n[:, None])
+    assert torch.equal(fast, full)
+    assert int(fast[1].sum()) == 7 and fast[1, :7].all()  # all tied: the 7 lowest ids

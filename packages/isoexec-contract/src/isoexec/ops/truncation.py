@@ -92,22 +92,26 @@ class RowTruncation:
         return on
 
 
-def _kept_lengths(s: torch.Tensor, t: RowTruncation) -> torch.Tensor:
-    """n per row for sorted tempered values s [B, V] (non-increasing along each row)."""
-    b, v = s.shape
-    n = torch.full((b,), v, dtype=torch.int64, device=s.device)
+def _kept_lengths(s: torch.Tensor, t: RowTruncation, vocab: int) -> torch.Tensor:
+    """n per row from sorted tempered values s [B, M] (non-increasing along each row): the
+    whole sorted row (M = V), or its first M >= n_k entries when every row has a top-k."""
+    b, m = s.shape
+    n = torch.full((b,), vocab, dtype=torch.int64, device=s.device)
     head = s[:, :1]
     if t.min_p is not None:
         mp = t.min_p.to(torch.float32).to(torch.float64)
         # fp32(ln(min_p)) from fp64, so the threshold does not depend on a device's fp32 log
         thr = torch.where(mp > 0, torch.log(mp.clamp_min(1e-300)), -math.inf).to(torch.float32)
-        n = torch.minimum(n, ((s - head) >= thr[:, None]).sum(-1))
+        counted = ((s - head) >= thr[:, None]).sum(-1)
+        n = torch.minimum(n, torch.where(counted < m, counted, vocab))  # all M: maybe more
     if t.top_k is not None:
         k = t.top_k.to(torch.int64)
-        n = torch.minimum(n, torch.where((k > 0) & (k < v), k, v))
+        n = torch.minimum(n, torch.where((k > 0) & (k < vocab), k, vocab))
+    if m < vocab and bool((n > m).any()):
+        raise RuntimeError("a candidate prefix shorter than a row's kept set (a bug)")
     if t.top_p is not None:
         p = t.top_p.to(torch.float32).to(torch.float64)
-        rank = torch.arange(v, device=s.device)
+        rank = torch.arange(m, device=s.device)
         inside = rank[None, :] < n[:, None]
         e = torch.where(inside, pw.exp(s - head), 0.0).to(torch.float64)
         c = torch.cumsum(e, dim=-1)
@@ -118,27 +122,53 @@ def _kept_lengths(s: torch.Tensor, t: RowTruncation) -> torch.Tensor:
     return n.clamp_min(1)
 
 
+def _sorted_prefix(x: torch.Tensor, width: int | None) -> torch.Tensor:
+    """Token ids of each row [B, V] in the canonical order (value descending, lower id first
+    among ties): all V of them, or (`width`) the first W >= width. The prefix comes from a
+    top-`width` selection — which picks among ties arbitrarily, so every token tied with the
+    width-th value is added — re-sorted in id order by a stable sort: the same ids, in the
+    same order, as the first W of the full sort (at a real vocabulary, ~100x less work)."""
+    v = x.shape[-1]
+    if width is None or width >= v:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices
+    kth = torch.topk(x, width, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+    w = int((x >= kth).sum(-1).max())  # every token at least the width-th value
+    if w >= v:
+        return torch.sort(x, dim=-1, descending=True, stable=True).indices
+    ids = torch.topk(x, w, dim=-1, sorted=False).indices.sort(-1).values  # in id order
+    order = torch.sort(x.gather(-1, ids), dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order)
+
+
 def truncation_mask(
     logits: torch.Tensor, temperature: torch.Tensor, truncation: RowTruncation
 ) -> torch.Tensor:
     """Bool [B, V]: the tokens each row keeps. `temperature` fp32 [B], the one the row is
     sampled at (greedy rows: 1.0). Rows with no rule on keep everything; each row's result
-    depends on that row alone."""
+    depends on that row alone. Rows with a top-k sort only a prefix of their order (the
+    kept set lies in the first k); the others sort the whole row."""
     b, v = logits.shape
     keep = torch.ones((b, v), dtype=torch.bool, device=logits.device)
     on = truncation.active_rows(v)
     if on is None or not bool(on.any()):
         return keep
-    rows = on.nonzero().reshape(-1)
-    x = logits[rows].float()
-    order = torch.sort(x, dim=-1, descending=True, stable=True).indices  # ties: lower id first
-    temp = temperature.to(torch.float32)[rows]
-    s = x.gather(-1, order) / temp[:, None].expand(-1, v)
-    sub = RowTruncation(*(None if f is None else f[rows] for f in (
-        truncation.top_k, truncation.top_p, truncation.min_p)))  # fmt: skip
-    n = _kept_lengths(s, sub)
-    ranked = torch.arange(v, device=logits.device)[None, :] < n[:, None]
-    keep[rows] = torch.zeros_like(ranked).scatter_(-1, order, ranked)
+    k = truncation.top_k
+    has_k = on & (k > 0) & (k < v) if k is not None else torch.zeros_like(on)
+    for group in (has_k, on & ~has_k):
+        rows = group.nonzero().reshape(-1)
+        if rows.numel() == 0:
+            continue
+        x = logits[rows].float()
+        width = int(k[rows].max()) if group is has_k else None  # type: ignore[index]
+        order = _sorted_prefix(x, width)
+        temp = temperature.to(torch.float32)[rows]
+        s = x.gather(-1, order) / temp[:, None].expand(-1, order.shape[-1])
+        sub = RowTruncation(*(None if f is None else f[rows] for f in (
+            truncation.top_k, truncation.top_p, truncation.min_p)))  # fmt: skip
+        n = _kept_lengths(s, sub, v)
+        ranked = torch.arange(order.shape[-1], device=logits.device)[None, :] < n[:, None]
+        kept = torch.zeros((rows.numel(), v), dtype=torch.bool, device=logits.device)
+        keep[rows] = kept.scatter_(-1, order, ranked)
     return keep
 
 
