@@ -1,11 +1,12 @@
 """The canonical truncation (`isoexec.ops.truncation`) against a reference written from its
-definition in docs/ops.md: an explicit (value, id) sort, fp32 thresholds, an fp64 running sum
-in Python. Rows with ties (logits on a coarse grid) make the tie rule matter."""
+definition in docs/ops.md: an explicit (value, id) sort, fp32 thresholds, the top-p mass in
+Python integers. Rows with ties (logits on a coarse grid) make the tie rule matter."""
 
 from __future__ import annotations
 
 import math
 import random
+from fractions import Fraction
 
 import pytest
 import torch
@@ -29,15 +30,14 @@ def _reference_kept(row: torch.Tensor, temp: float, tr: Truncation) -> set[int]:
         n = min(n, sum(1 for v in s if bool((v - s[0]) >= thr32)))
     if 0 < tr.top_k < V:
         n = min(n, tr.top_k)
-    if tr.top_p < 1.0:
-        e = [float(pw.exp(v - s[0])) for v in s[:n]]
-        total = 0.0
-        for v in e:
-            total += v
-        p = float(torch.tensor(tr.top_p, dtype=torch.float32))
-        before, count = 0.0, 0
-        for v in e:
-            if before < p * total:
+    if tr.top_p < 1.0:  # fixed point: exact integers, Python's own
+        q = [math.floor(float(pw.exp(v - s[0])) * 2**40) for v in s[:n]]
+        total = sum(q)
+        p = Fraction(float(torch.tensor(tr.top_p, dtype=torch.float32)))
+        bound = math.ceil(p * total)
+        before, count = 0, 0
+        for v in q:
+            if before < bound:
                 count += 1
             before += v
         n = min(n, count)
@@ -150,11 +150,16 @@ def test_settings_outside_their_domain_are_refused(kwargs: dict, message: str) -
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_rows_with_a_top_k_sort_a_prefix_and_keep_what_the_full_sort_keeps(seed: int) -> None:
-    """The top-k rows' fast path (a top-k selection, ties at the boundary added, re-sorted)
-    against the whole-row sort, on a vocabulary of 5000 with heavy ties (values on a grid of
-    8 levels: k cuts through ties of hundreds of tokens) and rows of all-equal logits."""
-    from isoexec.ops.truncation import _kept_lengths, _sorted_prefix
+def test_rows_sort_a_prefix_and_keep_what_the_whole_sort_keeps(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prefix path (a top-k selection, ties at the boundary added, re-sorted; top-p rows
+    doubling it) against the whole-row sort, on a vocabulary of 5000 with heavy ties (values
+    on a grid of 8 levels: k cuts through ties of hundreds of tokens) and rows of all-equal
+    logits."""
+    from isoexec.ops import truncation
+
+    whole_sort = truncation._sorted_prefix
 
     v, b = 5000, 8
     g = torch.Generator().manual_seed(seed)
@@ -163,14 +168,12 @@ def test_rows_with_a_top_k_sort_a_prefix_and_keep_what_the_full_sort_keeps(seed:
     x[2, :3] = 9.0  # three tied at the top, then the grid
     temps = torch.tensor([1.0, 0.7, 1.3, 0.5, 1.0, 0.9, 2.0, 1.0])
     rows = RowTruncation(
-        torch.tensor([20, 7, 2, 300, 1, 4999, 5000, 50]),
-        torch.tensor([1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.8, 1.0], dtype=torch.float32),
+        torch.tensor([20, 7, 2, 300, 1, 4999, 5000, 0]),
+        torch.tensor([1.0, 0.9, 0.5, 0.95, 1.0, 0.3, 0.8, 0.999], dtype=torch.float32),
         torch.tensor([0.0, 0.0, 0.1, 0.05, 0.0, 0.0, 0.2, 0.5], dtype=torch.float32),
     )
     fast = truncation_mask(x, temps, rows)
-    order = _sorted_prefix(x, None)  # the whole-row sort, every row
-    s = x.gather(-1, order) / temps[:, None].expand(-1, v)
-    n = _kept_lengths(s, rows, v)
-    full = torch.zeros_like(fast).scatter_(-1, order, torch.arange(v)[None, :] < n[:, None])
+    monkeypatch.setattr(truncation, "_sorted_prefix", lambda x, width: whole_sort(x, v))
+    full = truncation_mask(x, temps, rows)
     assert torch.equal(fast, full)
     assert int(fast[1].sum()) == 7 and fast[1, :7].all()  # all tied: the 7 lowest ids
