@@ -182,6 +182,35 @@ def tp_leaves_rows(device: str, dry: bool) -> list[Row]:
     return rows
 
 
+def truncation_rows(device: str, dry: bool) -> list[Row]:
+    """The canonical truncation on the device: each row's kept set alone equals its set in a
+    batch (and in a shuffled batch), and equals the CPU's for the same logits. Integer masses
+    make the sums device-free; the exp and the division are the device's own."""
+    import torch
+
+    from isoexec.ops.truncation import RowTruncation, truncation_mask
+
+    v, b = (512, 6) if dry else (151936, 16)
+    g = torch.Generator().manual_seed(5)
+    x = (torch.round(torch.randn(b, v, generator=g) * 6) / 2).to(device)  # ties
+    temps = torch.linspace(0.5, 1.5, b).to(device)
+    ks = torch.tensor([20, 0, 50, 0, 1, 0] * (b // 6 + 1))[:b].to(device)
+    ps = torch.tensor([0.95, 0.9, 1.0, 1.0, 1.0, 0.5] * (b // 6 + 1))[:b].to(device)
+    ms = torch.tensor([0.0, 0.0, 0.0, 0.1, 0.0, 0.05] * (b // 6 + 1))[:b].to(device)
+    cut = RowTruncation(ks, ps, ms)
+    batch = truncation_mask(x, temps, cut)
+    alone = torch.cat([truncation_mask(x[i : i + 1], temps[i : i + 1],
+                                       RowTruncation(ks[i : i + 1], ps[i : i + 1], ms[i : i + 1]))
+                       for i in range(b)])  # fmt: skip
+    perm = torch.randperm(b, generator=g).to(device)
+    shuffled = truncation_mask(x[perm], temps[perm], RowTruncation(ks[perm], ps[perm], ms[perm]))
+    cpu = truncation_mask(x.cpu(), temps.cpu(), RowTruncation(ks.cpu(), ps.cpu(), ms.cpu()))
+    invariant = torch.equal(batch, alone) and torch.equal(shuffled, batch[perm])
+    same_as_cpu = torch.equal(batch.cpu(), cpu)
+    detail = f"{b}x{v}: row-invariant {invariant}, equal to the CPU's {same_as_cpu}"
+    return [Row("kernel", "truncation", PASS if invariant else FAIL_INV, detail)]
+
+
 def _sequences(vocab: int, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
     import torch
 
@@ -398,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         ("env", "environment", lambda: env_rows(args.device, import_path)),
         ("kernel", "selfcheck", lambda: kernel_section(args.device, args.scale, only)),
         ("trainer", "tp_leaves", lambda: tp_leaves_rows(args.device, args.dry_run)),
+        ("kernel", "truncation", lambda: truncation_rows(args.device, args.dry_run)),
     ]
     for fam in fams:
         for dt in dtypes:

@@ -102,6 +102,8 @@ def test_dry_run_under_the_interpreter(wheels: Path, tmp_path: Path) -> None:
     rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
     by = {f"{r['section']} {r['name']}": r for r in rows}
     assert "megatron-core 0.16.1 from " + str(tmp_path / "site-packages") in text
+    truncation = by["kernel truncation"]
+    assert truncation["result"] == "PASS" and "equal to the CPU's True" in truncation["detail"]
     for name in ("kernel linear", "kernel moe_combine", "trainer tp_leaves float32"):
         assert by[name]["result"] == "PASS", by[name]
     for fam in ("tiny-gdn",):
