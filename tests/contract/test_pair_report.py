@@ -59,6 +59,10 @@ def test_arm_result_by_temperature_table_json_plot(tmp_path: Path) -> None:
     path = write_results(tmp_path, "tiny", "float32", [iso, stock])
     doc = json.loads(path.read_text())
     assert doc["model"] == "tiny" and [a["arm"] for a in doc["arms"]] == ["isoexec", "stock"]
+    assert doc["sampling"] == {}  # no truncation
+    cut = {"top_k": 20, "top_p": 0.95, "min_p": 0.0}
+    assert json.loads(write_results(tmp_path, "t", "f", [iso], cut).read_text())["sampling"] == cut
+    path = write_results(tmp_path, "tiny", "float32", [iso, stock])
     arm = doc["arms"][0]
     assert arm["stats"]["equal_fraction"] == 1.0 and "abs_diffs" not in arm
     assert set(arm["by_temperature"]) == {"0.7", "1"}
@@ -108,6 +112,7 @@ def test_the_table_shows_the_full_vocab_line() -> None:
     lp = torch.tensor([-1.0, -2.0])
     r = arm_result("isoexec", "MATCH abc", lp, lp.clone(), [1.0, 1.0],
                    full_vocab=FullVocabStats(2, 2, 0.0))  # fmt: skip
-    table = format_table("m", "float32", [r])
+    table = format_table("m", "float32", [r], {"top_k": 20, "top_p": 0.95, "full_vocab": True})
     assert "full vocab: 2/2 rows bitwise (100.0%), max |Δ| over all entries 0.000e+00" in table
+    assert "dtype float32, sampling top_k=20 top_p=0.95 full_vocab=True" in table
     assert r.to_json()["full_vocab"] == {"rows": 2, "rows_bitwise": 2, "max_abs_diff": 0.0}

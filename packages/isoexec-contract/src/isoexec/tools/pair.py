@@ -391,7 +391,10 @@ def run(args: argparse.Namespace) -> int:
     settings = PairRun.from_args(args, model_dir)  # one object for the run, its arms and report
     results = [_run_named_arm(settings, arm) for arm in args.arms.split(",")]
     name = args.model or args.preset
-    table = format_table(name, args.dtype, results)
+    sampling = {} if settings.truncation is None else asdict(settings.truncation)
+    if settings.full_vocab:
+        sampling["full_vocab"] = True
+    table = format_table(name, args.dtype, results, sampling)
     print(table, flush=True)
     if args.locate:
         for r in results:
@@ -401,7 +404,8 @@ def run(args: argparse.Namespace) -> int:
                 print("locate: the isoexec arm is 100% bitwise, nothing to locate", flush=True)
             else:
                 print(f"locate ({out / 'locate'}):\n{r.locate}", flush=True)
-    print(f"isoexec pair: results in {write_results(out, name, args.dtype, results)}", flush=True)
+    written = write_results(out, name, args.dtype, results, sampling)
+    print(f"isoexec pair: results in {written}", flush=True)
     plot = write_plot(out, name, args.dtype, results)
     if plot is None:
         print("isoexec pair: no plot (matplotlib is not installed: isoexec-contract[report])")

@@ -10,7 +10,7 @@ samples drawn from the engine: non-negative, exactly 0 when every token is bitwi
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -159,8 +159,13 @@ def arm_result(
     )
 
 
-def format_table(model: str, dtype: str, results: Sequence[ArmResult]) -> str:
+def format_table(
+    model: str, dtype: str, results: Sequence[ArmResult], sampling: Mapping[str, Any] | None = None
+) -> str:
+    """The table; `sampling`: the run's truncation settings, shown in the heading."""
     head = f"isoexec pair — model {model}, dtype {dtype}"
+    if sampling:
+        head += ", sampling " + " ".join(f"{k}={v}" for k, v in sampling.items())
     rows = [
         f"{'arm':<8} {'T':>4} {'handshake':<20} {'tokens':>6} {'bitwise equal':>14} "
         f"{'max |Δ lp|':>10} {'mean |Δ lp|':>11} {'ratio min':>10} {'ratio max':>10} "
@@ -202,9 +207,16 @@ def progress(arm: str, what: str) -> None:
     print(f"isoexec pair [{arm}]: {what}", flush=True)
 
 
-def write_results(out: Path, model: str, dtype: str, results: Sequence[ArmResult]) -> Path:
+def write_results(
+    out: Path,
+    model: str,
+    dtype: str,
+    results: Sequence[ArmResult],
+    sampling: Mapping[str, Any] | None = None,
+) -> Path:
     path = out / RESULTS_FILE
-    doc = {"model": model, "dtype": dtype, "arms": [r.to_json() for r in results]}
+    doc = {"model": model, "dtype": dtype, "sampling": dict(sampling or {}),
+           "arms": [r.to_json() for r in results]}  # fmt: skip
     path.write_text(strict_json.dumps(doc))
     return path
 
