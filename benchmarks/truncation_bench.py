@@ -11,11 +11,9 @@ Usage: python benchmarks/truncation_bench.py [--reps N] [--batch B]
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from ops_bench import _median_pair  # (this directory: run as a script)
 
 from isoexec.ops.truncation import Truncation, truncation_mask
 
@@ -24,20 +22,6 @@ SETTINGS = {
     "top_k 20 + top_p 0.95": Truncation(top_k=20, top_p=0.95),
     "top_p 0.95": Truncation(top_p=0.95),
 }
-
-
-def _median_pair(
-    a: Callable[[], object], b: Callable[[], object], reps: int
-) -> tuple[float, float]:
-    a()
-    b()
-    ta, tb = [], []
-    for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def main() -> None:

@@ -223,12 +223,4 @@ def truncation_mask(
     return keep
 
 
-def truncate(
-    logits: torch.Tensor, temperature: torch.Tensor, truncation: RowTruncation
-) -> torch.Tensor:
-    """fp32 logits with every token outside the kept set at -inf (a copy)."""
-    keep = truncation_mask(logits, temperature, truncation)
-    return logits.float().masked_fill(~keep, -math.inf)
-
-
-__all__ = ["RULE", "RowTruncation", "Truncation", "TruncationError", "truncate", "truncation_mask"]
+__all__ = ["RULE", "RowTruncation", "Truncation", "TruncationError", "truncation_mask"]

@@ -84,19 +84,28 @@ def _group(completions: list[Any], keys: Sequence[Hashable], key: Hashable) -> l
     ]
 
 
-def align(completions: list[Any], keys: Sequence[Hashable], scored: dict[Any, list[Any]]) -> Any:
+def align(
+    completions: list[Any],
+    keys: Sequence[Hashable],
+    scored: dict[Any, list[Any]],
+    full_vocab: bool = False,
+) -> Any:
     """(trainer, engine) fp32 logprobs of every sampled token, in the same order; `scored`
     maps each request's settings (a temperature, or (temperature, truncation)) to the
-    trainer's logprobs of `_group(..., settings)`."""
+    trainer's logprobs of `_group(..., settings)`. `full_vocab`: whole processed rows
+    [tokens, V] instead (the engine's from `sample(..., full_vocab=True)`)."""
     import torch
 
-    train_lps, engine_lps = [], []
+    train, engine = [], []
     for key in _levels(keys):
         group = [c for c, k in zip(completions, keys, strict=True) if k == key]
         for c, lp in zip(group, scored[key], strict=True):
-            train_lps.append(lp[-len(c.token_ids) :].float())
-            engine_lps.append(torch.tensor(c.logprobs, dtype=torch.float32))
-    return torch.cat(train_lps), torch.cat(engine_lps)
+            values = c.full_logprobs if full_vocab else c.logprobs
+            if values is None:
+                raise ValueError("the completions were sampled without full_vocab=True")
+            train.append(lp[-len(c.token_ids) :].float())
+            engine.append(torch.tensor(values, dtype=torch.float32))
+    return torch.cat(train), torch.cat(engine)
 
 
 def score_completions(
@@ -104,18 +113,21 @@ def score_completions(
     completions: list[Any],
     temps: list[float],
     truncations: list[Truncation | None] | None = None,
+    full_vocab: bool = False,
 ) -> tuple[Any, Any]:
     """The trainer scores exactly the sampled sequences, each with the settings given for it
     (temperature, truncation). Returns (trainer logprobs, engine logprobs) of every sampled
-    token, fp32, aligned."""
+    token, fp32, aligned; `full_vocab`: each position's whole processed row (the trainer's
+    `score(..., full_vocab=True)` against the rows the engine returned)."""
     from isoexec.megatron import score
 
     keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
     scored = {
-        k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1])
+        k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1],
+                 full_vocab=full_vocab)
         for k in _levels(keys)
-    }
-    return align(completions, keys, scored)
+    }  # fmt: skip
+    return align(completions, keys, scored, full_vocab)
 
 
 def score_full_rows(
@@ -124,26 +136,8 @@ def score_full_rows(
     temps: list[float],
     truncations: list[Truncation | None] | None = None,
 ) -> tuple[Any, Any]:
-    """(trainer, engine) whole processed rows [tokens, V] of every sampled position, in
-    `align`'s order: the trainer's `score(..., full_vocab=True)` against the rows the engine
-    returned (`sample(..., full_vocab=True)`)."""
-    import torch
-
-    from isoexec.megatron import score
-
-    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
-    train_rows, engine_rows = [], []
-    for key in _levels(keys):
-        group = [c for c, k in zip(completions, keys, strict=True) if k == key]
-        seqs = [c.prompt_token_ids + c.token_ids for c in group]
-        t, cut = key  # type: ignore[misc]
-        rows = score(model, seqs, temperature=t, truncation=cut, full_vocab=True)
-        for c, r in zip(group, rows, strict=True):
-            if c.full_logprobs is None:
-                raise ValueError("the completions were sampled without full_vocab=True")
-            train_rows.append(r[-len(c.token_ids) :].float())
-            engine_rows.append(torch.tensor(c.full_logprobs, dtype=torch.float32))
-    return torch.cat(train_rows), torch.cat(engine_rows)
+    """(trainer, engine) whole processed rows [tokens, V] of every sampled position."""
+    return score_completions(model, completions, temps, truncations, full_vocab=True)
 
 
 def sample_and_score(
