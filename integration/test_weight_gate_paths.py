@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,9 @@ from typing import Any
 
 import pytest
 from _worker_paths import framework_load_weights, model_is_gated, transfer_backends
+
+# The stand-in framework extension: the engine process imports it by qualname.
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "_support"))
 
 from isoexec.contract.fingerprint import WeightFingerprint
 from isoexec.megatron import export_hf_weights, trainer_contract
@@ -113,3 +117,56 @@ def test_stock_engine_keeps_vllms_model_class(
 ) -> None:
     engine = engine_pool(model=model_factory("tiny-dense", "float32"), dtype="float32")
     assert engine.call("collective_rpc", model_is_gated) == [False]
+
+
+def test_a_composed_framework_extension_is_gated_and_staging_checks_the_whole_set(
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """`compose(FrameworkExtension)`: the framework's own weight update (straight into the
+    model's `load_weights`) is refused before MATCH and goes through after it, as IsoExec's
+    own; the framework's other methods work. Staged transfers (`isoexec_stage_weights` /
+    `isoexec_commit_weights`, what `isoexec.ray` uses) load only the whole set that hashes to the
+    trainer's fingerprint: a wrong fingerprint or a name sent twice loads nothing. An IsoExec
+    engine given an extension without IsoExec's refuses to start."""
+    from isoexec.handshake.server import HandshakeServer
+
+    model = model_factory("tiny-dense", "float32")
+    hf = json.loads((Path(model) / "config.json").read_text())
+    with pytest.raises(EngineError, match=r"does not include IsoExec's.*compose"):
+        engine_pool(model=model, dtype="float32", isoexec=True, enforce_eager=True,
+                    worker_extension="foreign_extension.FrameworkExtension")  # fmt: skip
+    engine = engine_pool(model=model, dtype="float32", isoexec=True, seed=12, enforce_eager=True,
+                         worker_extension="foreign_extension.Extension")  # fmt: skip
+    assert engine.call("collective_rpc", "framework_ping") == ["pong"]
+    trainer = trainer_factory(model, "float32")
+    named = list(export_hf_weights(trainer))
+    with pytest.raises(EngineError, match=r"refused.*no MATCH"):
+        engine.call("collective_rpc", "update_weights_from_tensors", (named,))
+    with pytest.raises(EngineError, match=r"refused.*no MATCH"):
+        engine.call("stage_weights", dict(named[:2]))
+    held = engine.call("weight_fingerprint")
+    token = "t" * 32
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as server:
+        tv, ev = handshake(trainer_contract(trainer, hf, "float32"), engine, "compose",
+                           server=server, token=token)  # fmt: skip
+        assert tv.matched and ev["outcome"] == "MATCH"
+        assert engine.call("collective_rpc", "update_weights_from_tensors", (named,)) == [
+            len(named)]  # fmt: skip
+        changed = {k: v + 1 if i == 0 else v for i, (k, v) in enumerate(named)}
+        engine.call("stage_weights", changed)
+        with pytest.raises(EngineError, match=r"received weights hash to.*nothing loaded"):
+            engine.call("commit_weights", WeightFingerprint.of(named).digest)
+        engine.call("stage_weights", dict(named[:1]))
+        with pytest.raises(EngineError, match="arrived twice"):
+            engine.call("stage_weights", dict(named[:2]))
+        with pytest.raises(EngineError, match="no weights were staged"):
+            engine.call("commit_weights", WeightFingerprint.of(named).digest)
+        assert engine.call("weight_fingerprint") == held  # nothing of the refused sets loaded
+        for i in range(0, len(named), 3):
+            engine.call("stage_weights", dict(named[i : i + 3]))
+        digest = WeightFingerprint.of(named).digest
+        assert engine.call("commit_weights", digest) == [digest]
+        (status,) = engine.call("collective_rpc", "isoexec_gate_status")
+    assert status["gated_loads"] == 2 and status["last_fingerprint"] == digest

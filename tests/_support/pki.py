@@ -32,6 +32,7 @@ def _cert(
     *,
     ca: bool = False,
     expired: bool = False,
+    hosts: tuple[str, ...] = (),
 ) -> x509.Certificate:
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
     start, end = (NOW - dt.timedelta(days=30), NOW - dt.timedelta(days=1)) if expired else (
@@ -50,14 +51,16 @@ def _cert(
         b = b.add_extension(
             x509.SubjectAlternativeName(
                 [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+                + [x509.IPAddress(ipaddress.ip_address(h)) for h in hosts]
             ),
             critical=False,
         )
     return b.sign(issuer[1] if issuer else key, hashes.SHA256())
 
 
-def make_pki(d: Path) -> dict[str, str]:
-    """Files in `d`: ca, other_ca, server (+key), expired server (+key), client (+key)."""
+def make_pki(d: Path, hosts: tuple[str, ...] = ()) -> dict[str, str]:
+    """Files in `d`: ca, other_ca, server (+key), expired server (+key), client (+key); the
+    certificates name localhost, 127.0.0.1 and the addresses in `hosts`."""
     out: dict[str, str] = {}
 
     def write(name: str, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey | None) -> None:
@@ -73,5 +76,5 @@ def make_pki(d: Path) -> dict[str, str]:
     write("other_ca", _cert("another CA", other_key, None, ca=True), None)
     for name, expired in (("server", False), ("expired", True), ("client", False)):
         k = _key()
-        write(name, _cert(name, k, (ca, ca_key), expired=expired), k)
+        write(name, _cert(name, k, (ca, ca_key), expired=expired, hosts=hosts), k)
     return out

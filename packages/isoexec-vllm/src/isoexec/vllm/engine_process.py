@@ -240,10 +240,14 @@ class _Handler:
             "enable_prefix_caching": config.enable_prefix_caching,
             "seed": config.seed,
             "logprobs_mode": config.logprobs_mode or config.options.logprobs_mode,
-            "worker_extension_cls": WORKER_EXTENSION,
+            "worker_extension_cls": config.worker_extension or WORKER_EXTENSION,
             "kv_cache_memory_bytes": config.kv_cache_bytes,
         }
         if config.isoexec:
+            if config.worker_extension is not None:
+                from isoexec.vllm.worker_extension import require_isoexec_extension
+
+                require_isoexec_extension(config.worker_extension)
             extra: dict[str, Any] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
             if config.handshake is not None:
                 extra[HANDSHAKE_CONFIG_KEY] = config.handshake.to_dict()
@@ -377,6 +381,19 @@ class _Handler:
         fps = self.llm.collective_rpc("isoexec_load_weights", args=(path, expected_fingerprint))
         self.llm.reset_prefix_cache()
         return fps
+
+    def stage_weights(self, chunk: dict[str, Any]) -> list[int]:
+        """Hand one chunk of HF-named weights to every worker (nothing loaded yet)."""
+        return self.llm.collective_rpc("isoexec_stage_weights", args=(chunk,))
+
+    def commit_weights(self, expected_fingerprint: str) -> list[str]:
+        """Every worker verifies and loads what it staged; then the prefix cache is dropped."""
+        fps = self.llm.collective_rpc("isoexec_commit_weights", args=(expected_fingerprint,))
+        self.llm.reset_prefix_cache()
+        return fps
+
+    def drop_staged(self) -> list[int]:
+        return self.llm.collective_rpc("isoexec_drop_staged")
 
     def add_lora(self, adapter: LoraAdapter, fingerprint: str | None = None) -> bool:
         """Load an adapter into the engine before requests use it. IsoExec engines announce it

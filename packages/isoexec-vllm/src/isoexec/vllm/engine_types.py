@@ -52,6 +52,9 @@ class EngineConfig:
     lora: tuple[int, int] | None = None
     # vLLM's max_logprobs (its default: 20); -1: whole rows may be asked for (`full_vocab`).
     max_logprobs: int | None = None
+    # vLLM's worker_extension_cls by qualname; None: IsoExec's. An IsoExec engine takes only a
+    # class that includes IsoExec's (`worker_extension.compose(FrameworkExtension)`).
+    worker_extension: str | None = None
 
 
 @dataclass(frozen=True)

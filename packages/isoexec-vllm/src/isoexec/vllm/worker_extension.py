@@ -92,7 +92,41 @@ class IsoWorkerExtension:
         from safetensors.torch import load_file
 
         weight_gate.require_match("isoexec_load_weights")
-        received = load_file(path)
+        return self._isoexec_load_verified(load_file(path), expected_fingerprint)
+
+    def isoexec_stage_weights(self, chunk: dict[str, torch.Tensor]) -> int:
+        """Hold one chunk of HF-named weights in this worker's memory, loading nothing (a
+        transfer that arrives in pieces, e.g. through Ray's object store: `isoexec.ray`);
+        `isoexec_commit_weights` then verifies and loads them all at once. Returns how many
+        tensors are staged. Refused without a MATCH, and for a name staged twice."""
+        weight_gate.require_match("isoexec_stage_weights")
+        staged: dict[str, torch.Tensor] = self.__dict__.setdefault("_isoexec_staged", {})
+        twice = sorted(set(chunk) & set(staged))
+        if twice:
+            self.isoexec_drop_staged()
+            raise WeightSyncRefusedError(
+                f"weight sync refused: {twice[:3]} arrived twice; the staged weights are "
+                "dropped and nothing was loaded"
+            )
+        staged.update(chunk)
+        return len(staged)
+
+    def isoexec_commit_weights(self, expected_fingerprint: str) -> str:
+        """Load the staged weights if, all together, they hash to the trainer's fingerprint;
+        staged weights are dropped either way (a refused transfer starts again whole)."""
+        staged = self.__dict__.pop("_isoexec_staged", {})
+        weight_gate.require_match("isoexec_commit_weights")
+        if not staged:
+            raise WeightSyncRefusedError("weight sync refused: no weights were staged")
+        return self._isoexec_load_verified(staged, expected_fingerprint)
+
+    def isoexec_drop_staged(self) -> int:
+        """Forget staged weights (an aborted transfer); how many tensors were dropped."""
+        return len(self.__dict__.pop("_isoexec_staged", {}))
+
+    def _isoexec_load_verified(
+        self, received: dict[str, torch.Tensor], expected_fingerprint: str
+    ) -> str:
         got = WeightFingerprint.of(received).digest
         if got != expected_fingerprint:
             raise WeightSyncRefusedError(
@@ -192,3 +226,59 @@ class IsoWorkerExtension:
         tracer = getattr(self, "_isoexec_tracer", None)
         self._isoexec_tracer = None
         return None if tracer is None else tracer.stop()
+
+
+def compose(*others: type) -> type:
+    """One worker extension with IsoExec's methods and those of `others` (vLLM's
+    `worker_extension_cls` takes a single class; an RL framework brings its own, e.g. SkyRL's
+    `NewInferenceWorkerWrap`). A name defined by two of them is refused, never shadowed.
+    The others' weight updates stay gated: every write ends in the model's `load_weights`,
+    which the gated model class checks (`weight_gate`), whoever calls it.
+
+    Bind the result to a module-level name and pass its qualname, e.g. in `my_ext.py`:
+    `Extension = compose(FrameworkExtension)` and `worker_extension_cls="my_ext.Extension"`.
+    """
+    if not others:
+        raise ValueError("compose() needs at least one extension class besides IsoExec's")
+    owners: dict[str, str] = {}
+    for cls in (IsoWorkerExtension, *others):
+        if not isinstance(cls, type):
+            raise TypeError(f"compose() takes classes, got {cls!r}")
+        for name in _own_names(cls):
+            if name in owners:
+                raise ValueError(
+                    f"worker extensions clash on {name!r}: defined by {owners[name]} and by "
+                    f"{cls.__qualname__}; rename one (IsoExec's names all start with isoexec_)"
+                )
+            owners[name] = cls.__qualname__
+    names = "+".join(c.__name__ for c in others)
+    return type(f"IsoExec+{names}", (IsoWorkerExtension, *others), {"__module__": __name__})
+
+
+def require_isoexec_extension(qualname: str) -> type:
+    """The class `qualname` names, if it includes IsoExec's extension; else a clear refusal
+    (an IsoExec engine without its RPC surface could not offer, gate or read back)."""
+    import importlib
+
+    module, _, name = qualname.rpartition(".")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ValueError(f"worker extension {qualname!r} cannot be imported: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, IsoWorkerExtension)):
+        raise ValueError(
+            f"worker extension {qualname!r} does not include IsoExec's: an IsoExec engine "
+            "needs it to offer its contract and gate weights; pass "
+            "isoexec.vllm.worker_extension.compose(YourExtension) instead"
+        )
+    return cls
+
+
+def _own_names(cls: type) -> set[str]:
+    """Attributes a class and its bases define, beyond `object`'s and dunders."""
+    out: set[str] = set()
+    for base in cls.__mro__:
+        if base is object:
+            continue
+        out |= {n for n in vars(base) if not (n.startswith("__") and n.endswith("__"))}
+    return out

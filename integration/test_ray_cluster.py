@@ -1,0 +1,202 @@
+"""IsoExec across nodes on Ray: a two-node cluster on this machine (`ray.cluster_utils.Cluster`,
+one raylet per node on the machine's address), the trainer on one node, the engine on the
+other, the handshake service as an actor over mutual TLS.
+
+MATCH, then sampled logprobs bitwise equal to the trainer's scoring; a train step, a weight
+sync through the object store and bitwise again; an engine actor killed is restarted by Ray and
+refused weights until it offers again and MATCHes; a chunk missing from the object store is
+refused with nothing loaded. Refusals: a trainer whose contract differs (every engine stays
+uncleared), a cluster without the resources asked, a node with another runtime. Negative
+control: the same run with IsoExec off gives logprobs that differ.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "_support"))
+from pki import make_pki
+
+from isoexec.contract.options import IsoExecOptions
+from isoexec.ray.actors import ModelSource, SideSpec
+from isoexec.ray.cluster import ClusterResourcesError
+from isoexec.ray.identity import ActorRuntimeMismatchError, RuntimeIdentity
+from isoexec.ray.run import RayRun, RaySpec, RunRefusedError
+from isoexec.ray.tls import TLSMaterial
+from isoexec.ray.weights import WeightTransferError
+from isoexec.vllm.engine_types import SamplingSpec
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer, pytest.mark.slow]
+
+PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(6 + i)] for i in range(4)]
+SAMPLING = SamplingSpec(max_tokens=6, temperature=1.0)
+TRAINER_NODE = {"CPU": 1, "trainer_node": 1}
+ENGINE_NODE = {"CPU": 1, "engine_node": 1}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSMaterial]:
+    """Two raylets (trainer node, engine node) and the driver connected; mutual TLS material
+    whose certificates name the nodes' address. Everything is shut down after the file."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False})  # fmt: skip
+    try:
+        c.add_node(
+            num_cpus=2, resources={"engine_node": 2}
+        )  # two runs at once: the module's and one more
+        ray.init(address=c.address, log_to_driver=False)
+        pki = make_pki(tmp_path_factory.mktemp("pki"), hosts=(ray.util.get_node_ip_address(),))
+        yield TLSMaterial.from_files(pki["ca"], pki["server"], pki["server_key"],
+                                     pki["client"], pki["client_key"])  # fmt: skip
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+def _spec(tls: TLSMaterial | None, isoexec: bool = True, eager: bool = False, **kw: Any) -> RaySpec:
+    """Eager engines where a test only needs them to start (CI time); the module's run is
+    compiled, as vLLM runs by default."""
+    side = SideSpec(ModelSource(preset="tiny-dense", seed=3), isoexec=isoexec,
+                    enforce_eager=eager)  # fmt: skip
+    return RaySpec(side=side, trainer_bundle=TRAINER_NODE, engine_bundle=ENGINE_NODE, tls=tls,
+                   **kw)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def run(cluster: TLSMaterial) -> Iterator[RayRun]:
+    with RayRun(_spec(cluster)) as r:
+        yield r
+
+
+def _bitwise(run: RayRun) -> tuple[bool, list[Any]]:
+    comps = run.generate(PROMPTS, SAMPLING)
+    trainer = run.score(comps)
+    equal = all(
+        torch.equal(torch.tensor(t, dtype=torch.float32), torch.tensor(c.logprobs))
+        for t, c in zip(trainer, comps, strict=True)
+    )
+    return equal, comps
+
+
+def _live_groups() -> set[str]:
+    """The cluster's placement groups not removed (a refused start must leave none)."""
+    import ray
+
+    return {k for k, v in ray.util.placement_group_table().items() if v["state"] != "REMOVED"}
+
+
+def test_match_across_nodes_then_bitwise(run: RayRun) -> None:
+    import ray
+
+    nodes = ray.get([run.trainers[0].node.remote(), run.engines[0].node.remote()])
+    assert nodes[0] != nodes[1], "trainer and engine must sit on different nodes"
+    verdicts = run.handshake()
+    assert {v["outcome"] for v in verdicts["trainer"] + verdicts["engine"]} == {"MATCH"}
+    assert run.trainer_fingerprint() in set(ray.get(run.engines[0].weight_fingerprint.remote()))
+    equal, comps = _bitwise(run)
+    assert equal and sum(len(c.token_ids) for c in comps) == 4 * SAMPLING.max_tokens
+
+
+def test_train_step_sync_then_bitwise_again(run: RayRun) -> None:
+    import ray
+
+    before = run.trainer_fingerprint()
+    comps = run.generate(PROMPTS, SAMPLING)
+    stats = run.train_step(comps, advantages=[1.0, -1.0, 0.5, -0.5])
+    assert stats["ratio_dev_max"] == 0.0  # the engine's logprobs are the trainer's, exactly
+    fp = run.sync_weights()
+    assert fp != before and fp == run.trainer_fingerprint()
+    assert ray.get(run.engines[0].gate_status.remote())[0]["gated_loads"] >= 1
+    equal, _ = _bitwise(run)
+    assert equal
+
+
+def test_missing_chunk_is_refused_and_nothing_loaded(run: RayRun) -> None:
+    import ray
+    from ray._private.internal_api import free
+
+    held = ray.get(run.engines[0].weight_fingerprint.remote())
+    run.train_step(run.generate(PROMPTS, SAMPLING), advantages=[1.0, 0.0, -1.0, 0.0])
+    manifest = ray.get(run.trainers[0].publish_weights.remote(4096))  # many small chunks
+    assert len(manifest.chunks) > 3
+    free([manifest.chunks[2]])  # gone from the object store before the engine fetches it
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        ray.get(run.engines[0].sync.remote(manifest))
+    assert isinstance(e.value.cause, WeightTransferError), e.value
+    assert "chunk 3/" in str(e.value.cause) and "nothing was loaded" in str(e.value.cause)
+    assert ray.get(run.engines[0].weight_fingerprint.remote()) == held
+    run.sync_weights()  # a whole transfer afterwards goes through
+    assert _bitwise(run)[0]
+
+
+def test_killed_engine_restarts_and_is_refused_until_it_matches(run: RayRun) -> None:
+    import ray
+
+    pid = ray.get(run.engines[0].pid.remote())
+    os.kill(pid, signal.SIGKILL)  # the engine's actor process dies (its engine goes with it)
+    run.wait_for_engine(0, dead_pid=pid)  # Ray restarted it: a fresh engine, no MATCH
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        run.sync_weights()
+    assert "no MATCH" in str(e.value), e.value
+    status = ray.get(run.engines[0].gate_status.remote())
+    assert [s["cleared"] for s in status] == [False]
+    run.handshake(engines=[0])  # the restarted engine offers again: MATCH against the trainer
+    run.sync_weights()
+    assert _bitwise(run)[0]
+
+
+def test_trainer_contract_change_makes_every_actor_refuse(cluster: TLSMaterial) -> None:
+    import ray
+
+    spec = _spec(cluster, eager=True, run_id="ray-mismatch")
+    changed = replace(spec, trainer_side=replace(spec.side, options=IsoExecOptions(
+        tp_invariant=True)))  # fmt: skip
+    with RayRun(changed) as r:
+        with pytest.raises(RunRefusedError, match="MISMATCH") as e:
+            r.handshake()
+        assert "linear" in str(e.value)  # the site diff names the changed row-parallel sites
+        assert [s["cleared"] for s in ray.get(r.engines[0].gate_status.remote())] == [False]
+        with pytest.raises(ray.exceptions.RayTaskError, match="refused"):
+            r.sync_weights()
+
+
+def test_isoexec_off_differs(cluster: TLSMaterial) -> None:
+    """Negative control: stock Megatron scoring stock vLLM's samples, same cluster."""
+    with RayRun(_spec(None, isoexec=False, eager=True)) as r:
+        equal, comps = _bitwise(r)
+        assert not equal and all(c.token_ids for c in comps)
+
+
+def test_a_cluster_without_the_resources_is_refused_at_once(cluster: TLSMaterial) -> None:
+
+    before = _live_groups()
+    with pytest.raises(ClusterResourcesError, match="gpu_node: asks 1, cluster has 0"):
+        RayRun(replace(_spec(cluster), engine_bundle={"CPU": 1, "gpu_node": 1})).start()
+    with pytest.raises(ClusterResourcesError, match="engine_node: asks 3, cluster has 2"):
+        RayRun(replace(_spec(cluster), engines=3)).start()
+    taken = replace(_spec(cluster), engines=2, placement_timeout_s=5)  # the module's run holds one
+    with pytest.raises(ClusterResourcesError, match="not placed within 5 s"):
+        RayRun(taken).start()
+    assert _live_groups() == before  # no placement group of the refused runs is left
+
+
+def test_a_node_with_another_runtime_is_refused(cluster: TLSMaterial) -> None:
+
+    here = RuntimeIdentity.here()
+    other = replace(here, isoexec="0.0.1")  # the driver's as if another IsoExec were installed
+    before = _live_groups()
+    with pytest.raises(ActorRuntimeMismatchError, match=r"isoexec: driver 0\.0\.1, actor"):
+        RayRun(_spec(cluster), identity=other).start()
+    assert _live_groups() == before  # its placement groups are gone, no actor was started

@@ -1,0 +1,1 @@
+"""IsoExec on Ray."""

@@ -1,0 +1,265 @@
+"""The actor classes: the handshake service, one trainer rank, one engine.
+
+Plain classes: `isoexec.ray.run` makes them Ray actors with the resources, placement and
+restart policy of the run. Each runs where Ray puts it and reads nothing from another node's
+disk: the model comes from a path every node has or is made on the node (a tiny preset, the
+same bits from the same seed), TLS material arrives as bytes, weights through the object store.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from isoexec.contract.options import IsoExecOptions
+from isoexec.ray.identity import RuntimeIdentity
+from isoexec.ray.tls import TLSMaterial
+from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, WeightManifest, fetch, publish
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A checkpoint directory present on every node, or a tiny preset each node makes for
+    itself (`isoexec.tools.tiny_models`, deterministic in `seed`)."""
+
+    path: str | None = None
+    preset: str | None = None
+    seed: int = 3
+
+    def __post_init__(self) -> None:
+        if (self.path is None) == (self.preset is None):
+            raise ValueError("ModelSource: give a checkpoint path or a tiny preset, not both")
+
+    def materialise(self) -> str:
+        if self.path is not None:
+            if not os.path.isfile(os.path.join(self.path, "config.json")):
+                raise FileNotFoundError(
+                    f"{self.path}: no config.json on node {socket.gethostname()} (a checkpoint "
+                    "path must exist on every node that runs a trainer rank or an engine)"
+                )
+            return self.path
+        from isoexec.tools.tiny_models import make_tiny_model
+
+        out = tempfile.mkdtemp(prefix=f"isoexec-{self.preset}-")
+        return str(make_tiny_model(self.preset or "", out, seed=self.seed))
+
+
+@dataclass(frozen=True)
+class SideSpec:
+    """What both sides are built with; `options` and `isoexec` may differ per side only to
+    show a refusal."""
+
+    model: ModelSource
+    isoexec: bool = True
+    dtype: str = "float32"
+    options: IsoExecOptions = field(default_factory=IsoExecOptions)
+    enforce_eager: bool = False  # engines in vLLM's default compiled mode unless True
+
+
+def _tls_dict(tls: TLSMaterial | None) -> dict[str, str | None] | None:
+    return None if tls is None else tls.client().to_dict()
+
+
+class HandshakeActor:
+    """The handshake service, bound to this node's address (TLS unless told otherwise)."""
+
+    def __init__(
+        self, expected: dict[str, int], token: str, tls: TLSMaterial | None,
+        rendezvous_timeout_s: float = 300.0, insecure: bool = False,
+    ) -> None:  # fmt: skip
+        import ray
+        from isoexec.handshake.server import HandshakeServer
+
+        self.server = HandshakeServer(
+            expected, token, host=ray.util.get_node_ip_address(),
+            tls=None if tls is None else tls.server(),
+            rendezvous_timeout_s=rendezvous_timeout_s, insecure=insecure,
+        )  # fmt: skip
+        self.server.start()
+
+    def identity(self) -> RuntimeIdentity:
+        return RuntimeIdentity.here()
+
+    def address(self) -> str:
+        return self.server.address
+
+    def verdict(self, run_id: str) -> str | None:
+        v = self.server.verdict(run_id)
+        return None if v is None else v.outcome
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def _node_id() -> str:
+    import ray
+
+    return str(ray.get_runtime_context().get_node_id())
+
+
+class TrainerActor:
+    """One rank of the trainer's torch.distributed world (gloo on CPU, NCCL on GPU)."""
+
+    def __init__(self, spec: SideSpec, rank: int, world: int, lr: float = 2e-2) -> None:
+        self.spec, self.rank, self.world, self.lr = spec, rank, world, lr
+        self._stack = contextlib.ExitStack()
+        self.model: Any = None
+
+    def identity(self) -> RuntimeIdentity:
+        return RuntimeIdentity.here()
+
+    def node(self) -> str:
+        return _node_id()
+
+    def endpoint(self) -> tuple[str, int]:
+        """This node's address and a free port: rank 0's is the world's rendezvous."""
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return ray.util.get_node_ip_address(), int(s.getsockname()[1])
+
+    def setup(self, master: tuple[str, int], tp: int = 1, pp: int = 1, ep: int = 1) -> int:
+        """Join the world, lay out Megatron's parallel groups, build the model and load the
+        checkpoint; returns this rank."""
+        from isoexec.megatron import build_model, load_hf_weights, megatron_parallel
+
+        os.environ.update(
+            MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+            WORLD_SIZE=str(self.world), LOCAL_RANK="0",
+        )  # fmt: skip
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        self._stack.enter_context(megatron_parallel(tp, pp=pp, ep=ep, device=device))
+        self.model_dir = self.spec.model.materialise()
+        dtype = getattr(torch, self.spec.dtype)
+        self.model = build_model(self.model_dir, isoexec=self.spec.isoexec, tp=tp, dtype=dtype,
+                                 options=self.spec.options)  # fmt: skip
+        load_hf_weights(self.model, self.model_dir)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        return self.rank
+
+    def offer(
+        self, address: str, token: str, run_id: str, tls: TLSMaterial | None
+    ) -> dict[str, Any]:
+        from isoexec.megatron import offer_contract
+
+        client_tls = None if tls is None else tls.client()
+        v = offer_contract(self.model, self.model_dir, address, token, run_id, tls=client_tls)
+        return {"outcome": v.outcome, "hash": v.contract_hash, "summary": v.summary,
+                "diff": list(v.diff)}  # fmt: skip
+
+    def score(
+        self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0,
+        truncation: Any = None,
+    ) -> list[list[float]]:  # fmt: skip
+        """The logprobs of each sequence's tokens after its prompt (every rank must call)."""
+        from isoexec.megatron import score
+
+        lps = score(self.model, sequences, temperature=temperature, truncation=truncation)
+        return [lp[n - 1 :].float().tolist() for lp, n in zip(lps, prompt_lens, strict=True)]
+
+    def train_step(
+        self, sequences: list[list[int]], prompt_lens: list[int], old: list[list[float]],
+        advantages: list[float], temperature: float = 1.0, clip: float = 0.2,
+    ) -> dict[str, float]:  # fmt: skip
+        """One clipped policy-gradient step (GRPO's loss) against the engine's logprobs `old`;
+        the ratio's deviation before the update is returned with the loss."""
+        from isoexec.megatron import policy_logprobs
+
+        self.model.train()
+        self.opt.zero_grad(set_to_none=True)
+        lps = policy_logprobs(self.model, sequences, temperature=temperature)
+        new = torch.cat([lp[n - 1 :] for lp, n in zip(lps, prompt_lens, strict=True)])
+        behaviour = torch.tensor([x for row in old for x in row], dtype=new.dtype)
+        per_token = zip(old, advantages, strict=True)
+        adv = torch.cat([torch.full((len(o),), float(a)) for o, a in per_token])
+        ratio = torch.exp(new - behaviour)
+        dev = (ratio.detach() - 1).abs()
+        loss = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
+        loss.backward()
+        self.opt.step()
+        return {"loss": float(loss), "ratio_dev_max": float(dev.max()),
+                "ratio_dev_mean": float(dev.mean())}  # fmt: skip
+
+    def publish_weights(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WeightManifest | None:
+        """Every rank exports (the export gathers shards); rank 0 puts the chunks into the
+        object store and returns the manifest, the others None."""
+        from isoexec.megatron import export_hf_weights
+
+        items = export_hf_weights(self.model)
+        if self.rank != 0:
+            for _ in items:  # take part in the gathers
+                pass
+            return None
+        return publish(items, chunk_bytes)
+
+    def weight_fingerprint(self) -> str:
+        from isoexec.contract.fingerprint import WeightFingerprint
+        from isoexec.megatron import export_hf_weights
+
+        return WeightFingerprint.of(export_hf_weights(self.model)).digest
+
+    def shutdown(self) -> None:
+        self._stack.close()
+
+
+class EngineActor:
+    """One vLLM engine (its own process tree, TP through vLLM's executor), started when the
+    actor is (a restarted actor starts a fresh engine, which must offer again)."""
+
+    def __init__(self, spec: SideSpec, tensor_parallel_size: int = 1, seed: int = 0) -> None:
+        from isoexec.vllm.engine_process import EngineConfig, EngineProcess
+
+        self.model_dir = spec.model.materialise()
+        self.engine = EngineProcess(EngineConfig(
+            model=self.model_dir, dtype=spec.dtype, isoexec=spec.isoexec, options=spec.options,
+            tensor_parallel_size=tensor_parallel_size, seed=seed, enforce_eager=spec.enforce_eager,
+        ))  # fmt: skip
+
+    def identity(self) -> RuntimeIdentity:
+        return RuntimeIdentity.here()
+
+    def node(self) -> str:
+        return _node_id()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def offer(
+        self, address: str, token: str, run_id: str, tls: TLSMaterial | None
+    ) -> list[dict[str, Any]]:
+        """Every worker of this engine offers its contract (one verdict per worker)."""
+        return self.engine.call("handshake", address, token, run_id, _tls_dict(tls))
+
+    def generate(self, prompts: list[list[int]], sampling: Any) -> list[Any]:
+        return self.engine.generate(prompts, sampling)
+
+    def sync(self, manifest: WeightManifest, timeout_s: float = 300.0) -> list[str]:
+        """Fetch the chunks one at a time into the workers' staging, then commit (the gate
+        checks MATCH and the fingerprint); a failure drops what was staged."""
+        try:
+            for chunk in fetch(manifest, timeout_s):
+                self.engine.call("stage_weights", chunk)
+            return self.engine.call("commit_weights", manifest.fingerprint)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.engine.call("drop_staged")
+            raise
+
+    def weight_fingerprint(self) -> list[str]:
+        return self.engine.call("weight_fingerprint")
+
+    def gate_status(self) -> list[dict[str, Any]]:
+        return self.engine.call("collective_rpc", "isoexec_gate_status")
+
+    def shutdown(self) -> None:
+        self.engine.close()
+
+
+__all__ = ["EngineActor", "HandshakeActor", "ModelSource", "SideSpec", "TrainerActor"]

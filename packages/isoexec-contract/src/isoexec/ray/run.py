@@ -1,0 +1,270 @@
+"""One RL run on a Ray cluster: the handshake service, the trainer ranks and the engines as
+actors, placed by placement groups; the gate and the weight sync between them.
+
+    with RayRun(RaySpec(side=SideSpec(ModelSource(preset="tiny-dense")), tls=tls)) as run:
+        run.handshake()                   # every trainer rank and engine worker offers: MATCH
+        comps = run.generate(prompts, SamplingSpec(max_tokens=8))
+        run.score(comps)                  # == each completion's logprobs, bit for bit
+        run.train_step(comps, advantages)
+        run.sync_weights()                # object store, chunked; each engine through the gate
+
+Everything the run starts it ends (`close`, also on error or interrupt): actors are killed and
+placement groups removed, so a failed start leaves nothing pending on the cluster.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from isoexec.ray.actors import EngineActor, HandshakeActor, SideSpec, TrainerActor
+from isoexec.ray.cluster import Bundle, release, reserve
+from isoexec.ray.identity import RuntimeIdentity, require_same
+from isoexec.ray.tls import TLSMaterial
+from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, free
+
+
+class RunRefusedError(RuntimeError):
+    """A handshake did not MATCH, or weights were refused: the run must not go on."""
+
+
+@dataclass(frozen=True)
+class RaySpec:
+    side: SideSpec  # what both sides are built with
+    trainer_side: SideSpec | None = None  # the trainer's, where it differs (a refusal test)
+    trainer_ranks: int = 1
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    engines: int = 1
+    engine_tp: int = 1
+    # What each trainer rank / engine asks of a node (Ray resources); e.g. {"GPU": 1}.
+    trainer_bundle: Bundle = field(default_factory=lambda: {"CPU": 1})
+    engine_bundle: Bundle = field(default_factory=lambda: {"CPU": 1})
+    tls: TLSMaterial | None = None  # None: plaintext, only allowed on one machine (loopback)
+    run_id: str = "isoexec-ray"
+    placement_timeout_s: float = 120.0
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    lr: float = 2e-2
+    seed: int = 0  # the engines' sampling seed
+    engine_max_restarts: int = 1  # Ray restarts a dead engine this often (it must re-offer)
+
+    def __post_init__(self) -> None:
+        if self.trainer_ranks % (self.tp * self.pp) != 0:
+            raise ValueError(f"trainer_ranks={self.trainer_ranks} is not a multiple of tp*pp")
+        if self.engines < 1 or self.trainer_ranks < 1:
+            raise ValueError("a run needs at least one trainer rank and one engine")
+
+
+class RayRun:
+    """Start with the context manager (or `start`/`close`)."""
+
+    def __init__(self, spec: RaySpec, *, identity: RuntimeIdentity | None = None) -> None:
+        self.spec = spec
+        self.identity = identity or RuntimeIdentity.here()  # what every actor must run
+        self.token = secrets.token_hex(16)
+        self.trainers: list[Any] = []
+        self.engines: list[Any] = []
+        self.handshake_actor: Any = None
+        self.address: str | None = None
+        self._groups: list[Any] = []
+
+    # ---- lifetime -----------------------------------------------------------------------
+    def __enter__(self) -> RayRun:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+
+    def _start(self) -> None:
+        import ray
+
+        s = self.spec
+        t_pg = reserve([s.trainer_bundle] * s.trainer_ranks, strategy="PACK",
+                       what="the trainer", timeout_s=s.placement_timeout_s)  # fmt: skip
+        self._groups.append(t_pg)
+        e_pg = reserve([s.engine_bundle] * s.engines, strategy="SPREAD",
+                       what="the engines", timeout_s=s.placement_timeout_s)  # fmt: skip
+        self._groups.append(e_pg)
+        self._check_runtimes(t_pg, s.trainer_ranks, "trainer rank")
+        self._check_runtimes(e_pg, s.engines, "engine")
+        if s.side.isoexec:
+            workers = s.engines * s.engine_tp
+            self.handshake_actor = _remote(HandshakeActor, t_pg, 0).remote(
+                {"trainer": s.trainer_ranks, "engine": workers}, self.token, s.tls,
+                insecure=s.tls is None,
+            )  # fmt: skip
+            self.address = ray.get(self.handshake_actor.address.remote())
+        trainer_side = s.trainer_side or s.side
+        self.trainers = [
+            _remote(TrainerActor, t_pg, r).remote(trainer_side, r, s.trainer_ranks, s.lr)
+            for r in range(s.trainer_ranks)
+        ]
+        self.engines = [
+            _remote(EngineActor, e_pg, i, max_restarts=s.engine_max_restarts).remote(
+                s.side, s.engine_tp, s.seed)
+            for i in range(s.engines)
+        ]  # fmt: skip
+        master = ray.get(self.trainers[0].endpoint.remote())
+        ray.get([t.setup.remote(master, s.tp, s.pp, s.ep) for t in self.trainers])
+
+    def _check_runtimes(self, pg: Any, bundles: int, what: str) -> None:
+        """Before any actor starts: each bundle's node runs the driver's runtime (a cheap
+        task per bundle; an engine takes tens of seconds to start, a refusal should not)."""
+        import ray
+
+        probe = ray.remote(RuntimeIdentity.here)
+        got = ray.get([_placed(probe, pg, i).remote() for i in range(bundles)])
+        for i, ident in enumerate(got):
+            require_same(self.identity, ident, f"the node of {what} {i}")
+
+    def close(self) -> None:
+        """End every actor and placement group this run started (engines shut down first)."""
+        import ray
+
+        for e in self.engines:  # a clean shutdown of the engine's process tree
+            try:
+                ray.get(e.shutdown.remote(), timeout=60)
+            except Exception:  # the kill below ends it regardless
+                pass
+        for a in [*self.engines, *self.trainers, self.handshake_actor]:
+            if a is not None:
+                ray.kill(a, no_restart=True)
+        for pg in self._groups:
+            release(pg)
+        self.engines, self.trainers, self.handshake_actor, self._groups = [], [], None, []
+
+    # ---- the gate ------------------------------------------------------------------------
+    def handshake(self, engines: Sequence[int] | None = None) -> dict[str, Any]:
+        """Every trainer rank and every worker of the engines offers (all at once; `engines`:
+        only these re-offer, e.g. a restarted one); `RunRefusedError` unless all MATCH."""
+        import ray
+
+        s = self.spec
+        if self.address is None:
+            raise RunRefusedError("this run has IsoExec off: there is no handshake")
+        which = range(len(self.engines)) if engines is None else engines
+        t_refs = (
+            []
+            if engines is not None
+            else [t.offer.remote(self.address, self.token, s.run_id, s.tls) for t in self.trainers]
+        )
+        e_refs = [self.engines[i].offer.remote(self.address, self.token, s.run_id, s.tls)
+                  for i in which]  # fmt: skip
+        trainer = ray.get(t_refs)
+        engine = [v for vs in ray.get(e_refs) for v in vs]
+        bad = [v for v in trainer + engine if v["outcome"] != "MATCH"]
+        if bad:
+            raise RunRefusedError(f"handshake {bad[0]['outcome']}: {bad[0]['summary']}\n"
+                                  + "\n".join(bad[0]["diff"][:20]))  # fmt: skip
+        return {"trainer": trainer, "engine": engine}
+
+    def wait_for_engine(self, i: int, dead_pid: int | None = None, timeout_s: float = 300.0) -> int:
+        """Wait until engine `i` answers from a process other than `dead_pid` (Ray restarted
+        it: a fresh engine on the checkpoint it starts from, with no MATCH until
+        `handshake(engines=[i])`); its actor's pid."""
+        import time
+
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                pid = int(ray.get(self.engines[i].pid.remote(), timeout=timeout_s))
+                if pid != dead_pid:
+                    return pid
+            except (ActorUnavailableError, RayActorError):
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"engine {i} did not come back within {timeout_s:g} s")
+            time.sleep(1.0)
+
+    # ---- rollout, scoring, training --------------------------------------------------------
+    def generate(self, prompts: list[list[int]], sampling: Any) -> list[Any]:
+        """Prompts split across the engines in order; completions in prompt order."""
+        import ray
+
+        n = len(self.engines)
+        parts = [prompts[i::n] for i in range(n)]
+        pairs = zip(self.engines, parts, strict=True)
+        outs = ray.get([e.generate.remote(p, sampling) for e, p in pairs if p])
+        merged: list[Any] = [None] * len(prompts)
+        for i, out in enumerate(outs):
+            merged[i::n] = out
+        return merged
+
+    def _on_trainers(self, call: Callable[[Any], Any]) -> Any:
+        """Run `call(actor)` on every rank (they act together); rank 0's result."""
+        import ray
+
+        return ray.get([call(t) for t in self.trainers])[0]
+
+    def score(self, completions: list[Any], temperature: float = 1.0,
+              truncation: Any = None) -> list[list[float]]:  # fmt: skip
+        seqs, lens = _sequences(completions)
+        return self._on_trainers(lambda t: t.score.remote(seqs, lens, temperature, truncation))
+
+    def train_step(self, completions: list[Any], advantages: list[float],
+                   temperature: float = 1.0) -> dict[str, float]:  # fmt: skip
+        seqs, lens = _sequences(completions)
+        old = [list(c.logprobs) for c in completions]
+        return self._on_trainers(
+            lambda t: t.train_step.remote(seqs, lens, old, advantages, temperature)
+        )
+
+    # ---- weight sync ---------------------------------------------------------------------
+    def sync_weights(self, engines: Sequence[int] | None = None) -> str:
+        """The trainer's weights to every engine (or `engines`) through the object store;
+        each loads through its gate. Returns the fingerprint every engine now holds."""
+        import ray
+
+        manifest = self._on_trainers(lambda t: t.publish_weights.remote(self.spec.chunk_bytes))
+        which = range(len(self.engines)) if engines is None else engines
+        try:
+            got = ray.get([self.engines[i].sync.remote(manifest) for i in which])
+        finally:
+            free(manifest)
+        held = {fp for fps in got for fp in fps}
+        if held != {manifest.fingerprint}:
+            raise RunRefusedError(f"engines hold {sorted(held)}, the trainer sent "
+                                  f"{manifest.fingerprint}")  # fmt: skip
+        return manifest.fingerprint
+
+    def trainer_fingerprint(self) -> str:
+        return self._on_trainers(lambda t: t.weight_fingerprint.remote())
+
+
+def _sequences(completions: list[Any]) -> tuple[list[list[int]], list[int]]:
+    seqs = [list(c.prompt_token_ids) + list(c.token_ids) for c in completions]
+    return seqs, [len(c.prompt_token_ids) for c in completions]
+
+
+def _remote(cls: type, pg: Any, bundle: int, **options: Any) -> Any:
+    """`cls` as an actor in bundle `bundle` of `pg`."""
+    import ray
+
+    return _placed(ray.remote(cls), pg, bundle, **options)
+
+
+def _placed(remote: Any, pg: Any, bundle: int, **options: Any) -> Any:
+    """A remote function or actor class pinned to bundle `bundle` of `pg` (the bundle holds the
+    resources; the task or actor asks for none beyond them)."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                placement_group_bundle_index=bundle)  # fmt: skip
+    return remote.options(num_cpus=0, scheduling_strategy=strategy, **options)
+
+
+__all__ = ["RayRun", "RaySpec", "RunRefusedError"]
