@@ -192,6 +192,13 @@ def test_a_cluster_without_the_resources_is_refused_at_once(cluster: TLSMaterial
     assert _live_groups() == before  # no placement group of the refused runs is left
 
 
+def test_a_plaintext_handshake_across_the_network_is_refused(cluster: TLSMaterial) -> None:
+    before = _live_groups()
+    with pytest.raises(RunRefusedError, match=r"give RaySpec\(tls=TLSMaterial"):
+        RayRun(_spec(None)).start()
+    assert _live_groups() == before
+
+
 def test_a_node_with_another_runtime_is_refused(cluster: TLSMaterial) -> None:
 
     here = RuntimeIdentity.here()

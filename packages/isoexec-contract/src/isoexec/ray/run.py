@@ -43,7 +43,10 @@ class RaySpec:
     # What each trainer rank / engine asks of a node (Ray resources); e.g. {"GPU": 1}.
     trainer_bundle: Bundle = field(default_factory=lambda: {"CPU": 1})
     engine_bundle: Bundle = field(default_factory=lambda: {"CPU": 1})
-    tls: TLSMaterial | None = None  # None: plaintext, only allowed on one machine (loopback)
+    tls: TLSMaterial | None = None
+    # Without `tls` the service refuses to bind a non-loopback address unless this is True
+    # (the token would cross the network in the clear): e.g. a test cluster on one machine.
+    insecure: bool = False
     run_id: str = "isoexec-ray"
     placement_timeout_s: float = 120.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
@@ -90,6 +93,11 @@ class RayRun:
         import ray
 
         s = self.spec
+        if s.side.isoexec and s.tls is None and not s.insecure:
+            raise RunRefusedError(
+                "the handshake service of a Ray run binds its node's network address: give "
+                "RaySpec(tls=TLSMaterial...) or, on one machine only, insecure=True"
+            )
         t_pg = reserve([s.trainer_bundle] * s.trainer_ranks, strategy="PACK",
                        what="the trainer", timeout_s=s.placement_timeout_s)  # fmt: skip
         self._groups.append(t_pg)
@@ -102,7 +110,7 @@ class RayRun:
             workers = s.engines * s.engine_tp
             self.handshake_actor = _remote(HandshakeActor, t_pg, 0).remote(
                 {"trainer": s.trainer_ranks, "engine": workers}, self.token, s.tls,
-                insecure=s.tls is None,
+                insecure=s.insecure,
             )  # fmt: skip
             self.address = ray.get(self.handshake_actor.address.remote())
         trainer_side = s.trainer_side or s.side
