@@ -89,10 +89,6 @@ class HandshakeActor:
     def address(self) -> str:
         return self.server.address
 
-    def verdict(self, run_id: str) -> str | None:
-        v = self.server.verdict(run_id)
-        return None if v is None else v.outcome
-
     def stop(self) -> None:
         self.server.stop()
 

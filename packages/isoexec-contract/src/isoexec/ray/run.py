@@ -145,6 +145,11 @@ class RayRun:
                 ray.get(e.shutdown.remote(), timeout=60)
             except Exception:  # the kill below ends it regardless
                 pass
+        if self.handshake_actor is not None:  # waiters get UNAVAILABLE, not a hang
+            try:
+                ray.get(self.handshake_actor.stop.remote(), timeout=30)
+            except Exception:  # the kill below ends it regardless
+                pass
         for a in [*self.engines, *self.trainers, self.handshake_actor]:
             if a is not None:
                 ray.kill(a, no_restart=True)
