@@ -37,6 +37,7 @@ from isoexec.megatron import (
     save_hf_safetensors,
 )
 from isoexec.megatron.canary import offer_canary
+from isoexec.megatron.policy_loss import clipped_policy_loss, per_token
 from isoexec.tools.tiny_models import make_tiny_model
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
@@ -121,15 +122,9 @@ def run(settings: GRPORun) -> list[StepLog]:
                 lps = policy_logprobs(model, [c.prompt_token_ids + c.token_ids for c in comps])
                 new = torch.cat([lp[-len(c.token_ids) :] for lp, c in zip(lps, comps, strict=True)])
                 old = torch.cat([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps])
-                a = torch.cat(
-                    [
-                        torch.full((len(c.token_ids),), float(x))
-                        for c, x in zip(comps, adv, strict=True)
-                    ]
-                )
-                ratio = torch.exp(new - old)
-                dev = float((ratio.detach() - 1).abs().max())
-                loss = -torch.min(ratio * a, ratio.clamp(1 - CLIP, 1 + CLIP) * a).mean()
+                a = per_token(adv.tolist(), [len(c.token_ids) for c in comps])
+                pl = clipped_policy_loss(new, old, a, CLIP)
+                dev, loss = pl.ratio_dev_max, pl.loss
                 loss.backward()
                 opt.step()
                 logs.append(StepLog(step, float(rewards.mean()), int(new.numel()), dev, dev == 0.0))
