@@ -58,7 +58,7 @@ def test_the_middleware_named_is_the_routes_function() -> None:
     import importlib
 
     from isoexec.vllm import served_routes
-    from isoexec.vllm.serve import MIDDLEWARE
+    from isoexec.vllm.engine_kwargs import MIDDLEWARE
 
     module, name = MIDDLEWARE.rsplit(".", 1)
     assert getattr(importlib.import_module(module), name) is served_routes.isoexec_routes

@@ -23,10 +23,9 @@ from typing import Any
 
 import torch
 
+from isoexec.vllm.engine_kwargs import ADMISSION
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
-
-ADMISSION = "isoexec.vllm.admission:IsoAdmission"
 
 # SamplingParams fields a request may set to any value, and why that leaves the bits alone or
 # is what the trainer is told. Every other field must be at its default (or a neutral value).

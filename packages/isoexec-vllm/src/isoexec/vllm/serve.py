@@ -39,21 +39,21 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from isoexec.contract.options import VLLM_ADDITIONAL_CONFIG_KEY, IsoExecOptions
-from isoexec.handshake.served import HANDSHAKE_CONFIG_KEY, ServedHandshake, ServedHandshakeError
+from isoexec.contract.options import IsoExecOptions
+from isoexec.handshake.served import ServedHandshake, ServedHandshakeError
+from isoexec.vllm.engine_kwargs import (
+    WORKER_EXTENSION,
+    as_server_flags,
+    isoexec_engine_kwargs,
+)
 from isoexec.vllm.serve_flags import flag_name, given, refused_flags
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
-MIDDLEWARE = "isoexec.vllm.served_routes.isoexec_routes"  # a string: the launcher imports no vLLM
-WORKER_EXTENSION = "isoexec.vllm.worker_extension.IsoWorkerExtension"
 # Flags the launcher owns: passing them through would contradict what IsoExec installs.
 OWNED_FLAGS = (
     "--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config",
     "--logits-processors",
 )  # fmt: skip
-ADMISSION = "isoexec.vllm.admission:IsoAdmission"  # a string: the launcher imports no vLLM
-# The canonical GDN recurrence's state dtype (`ops.gdn`; the GDN site refuses another).
-GDN_STATE_DTYPE = "float32"
 # Sampling fields of a generation_config.json that vLLM would apply as request defaults, with
 # the value that leaves the distribution alone for those IsoExec does not reproduce.
 REPRODUCED_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # recorded per completion
@@ -96,17 +96,16 @@ def server_command(
     if handshake is not None and not isoexec:
         raise ServeArgsError("a handshake offers IsoExec's contract: not with --stock")
     argv = [sys.executable, "-m", SERVER_MODULE, "--model", model]
-    argv += ["--worker-extension-cls", WORKER_EXTENSION, "--logprobs-mode", options.logprobs_mode]
     if isoexec:
-        extra: dict[str, object] = {VLLM_ADDITIONAL_CONFIG_KEY: options.to_dict()}
         if handshake is not None:
             handshake.token()  # refused here, before vLLM starts, if missing or empty
-            extra[HANDSHAKE_CONFIG_KEY] = handshake.to_dict()
-        argv += ["--additional-config", json.dumps(extra), "--middleware", MIDDLEWARE]
-        argv += ["--logits-processors", ADMISSION]
+        hs = None if handshake is None else handshake.to_dict()
+        argv += as_server_flags(isoexec_engine_kwargs(options, handshake=hs))
         if refused_defaults(model) and not given(vllm_args, "--generation-config"):
             argv += ["--generation-config", "vllm"]
-        argv += ["--mamba-ssm-cache-dtype", GDN_STATE_DTYPE]
+    else:
+        argv += ["--worker-extension-cls", WORKER_EXTENSION]
+        argv += ["--logprobs-mode", options.logprobs_mode]
     argv += list(vllm_args)
     env = {**os.environ, "ISOEXEC": "1" if isoexec else "0"}
     return argv, env
