@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from isoexec.ray.actors import ModelSource, SideSpec
+from isoexec.ray.cluster import local_cluster
 from isoexec.ray.run import RayRun, RaySpec
 from isoexec.ray.tls import TLSMaterial
 from isoexec.tools.tiny_models import PRESETS
@@ -37,29 +38,25 @@ VOCAB = int(PRESETS[PRESET]["vocab_size"])
 
 
 @contextmanager
-def cluster(address: str | None) -> Iterator[tuple[dict[str, float], dict[str, float]]]:
+def cluster(
+    address: str | None, trainer_bundle: str | None, engine_bundle: str | None
+) -> Iterator[tuple[dict[str, float], dict[str, float]]]:
     """Connect to `address`, or start two raylets here (trainer node, engine node); the
-    bundles that pin the trainer and the engine to their nodes."""
+    bundles that place the trainer and the engine (given as JSON, e.g. '{"GPU": 1}')."""
     import ray
 
     if address is not None:
         ray.init(address=address)
         try:
-            yield {"CPU": 1}, {"CPU": 1}
+            yield (
+                json.loads(trainer_bundle or '{"CPU": 1}'),
+                json.loads(engine_bundle or '{"CPU": 1}'),
+            )
         finally:
             ray.shutdown()
         return
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "resources": {"trainer_node": 1}, "include_dashboard": False})  # fmt: skip
-    try:
-        c.add_node(num_cpus=1, resources={"engine_node": 1})
-        ray.init(address=c.address, log_to_driver=False)
+    with local_cluster([{"trainer_node": 1}, {"engine_node": 1}]):
         yield {"CPU": 1, "trainer_node": 1}, {"CPU": 1, "engine_node": 1}
-    finally:
-        ray.shutdown()
-        c.shutdown()
 
 
 def main() -> None:
@@ -67,6 +64,8 @@ def main() -> None:
     ap.add_argument("--arm", choices=("isoexec", "stock"), default="isoexec")
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--address", default=None, help="an existing Ray cluster (default: local)")
+    ap.add_argument("--trainer-bundle", default=None, help='with --address: JSON, e.g. {"GPU": 1}')
+    ap.add_argument("--engine-bundle", default=None, help="with --address: JSON")
     ap.add_argument("--tls-dir", default=None)
     ap.add_argument("--insecure", action="store_true", help="plaintext handshake across nodes")
     ap.add_argument("--prompts", type=int, default=4)
@@ -83,7 +82,10 @@ def main() -> None:
     base = [torch.randint(VOCAB, (12,), generator=gen).tolist() for _ in range(args.prompts)]
     sampling = SamplingSpec(max_tokens=args.max_tokens, temperature=1.0)
     logs = []
-    with cluster(args.address) as (trainer_bundle, engine_bundle):
+    with cluster(args.address, args.trainer_bundle, args.engine_bundle) as (
+        trainer_bundle,
+        engine_bundle,
+    ):
         side = SideSpec(ModelSource(preset=PRESET, seed=3), isoexec=args.arm == "isoexec")
         spec = RaySpec(side=side, trainer_bundle=trainer_bundle, engine_bundle=engine_bundle,
                        tls=tls, insecure=args.insecure or args.address is None,

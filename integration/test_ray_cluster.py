@@ -5,18 +5,24 @@ other, the handshake service as an actor over mutual TLS.
 MATCH, then sampled logprobs bitwise equal to the trainer's scoring; a train step, a weight
 sync through the object store and bitwise again; an engine actor killed is restarted by Ray and
 refused weights until it offers again and MATCHes; a chunk missing from the object store is
-refused with nothing loaded. Refusals: a trainer whose contract differs (every engine stays
-uncleared), a cluster without the resources asked, a node with another runtime. Negative
-control: the same run with IsoExec off gives logprobs that differ.
+refused with nothing loaded; a node lost mid-sync loads nothing, and its engine, restarted on a
+new node, must MATCH again; `examples/grpo_ray.py --address` runs on the cluster. Refusals: a
+trainer whose contract differs (every engine stays uncleared), a cluster without the resources
+asked, a node with another runtime. Negative control: the same run with IsoExec off gives
+logprobs that differ.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -28,41 +34,40 @@ from pki import make_pki
 
 from isoexec.contract.options import IsoExecOptions
 from isoexec.ray.actors import ModelSource, SideSpec
-from isoexec.ray.cluster import ClusterResourcesError
+from isoexec.ray.cluster import ClusterResourcesError, local_cluster
 from isoexec.ray.identity import ActorRuntimeMismatchError, RuntimeIdentity
-from isoexec.ray.run import RayRun, RaySpec, RunRefusedError
+from isoexec.ray.run import EngineLostError, RayRun, RaySpec, RunRefusedError
 from isoexec.ray.tls import TLSMaterial
-from isoexec.ray.weights import WeightTransferError
+from isoexec.ray.weights import WeightTransferError, free
 from isoexec.vllm.engine_types import SamplingSpec
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer, pytest.mark.slow]
 
 PROMPTS = [[(7 * i + 3 * j) % 250 + 1 for j in range(6 + i)] for i in range(4)]
 SAMPLING = SamplingSpec(max_tokens=6, temperature=1.0)
+TRAINER_RES, ENGINE_RES = {"trainer_node": 2}, {"engine_node": 2}
 TRAINER_NODE = {"CPU": 1, "trainer_node": 1}
 ENGINE_NODE = {"CPU": 1, "engine_node": 1}
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TLSMaterial]:
-    """Two raylets (trainer node, engine node) and the driver connected; mutual TLS material
-    whose certificates name the nodes' address. Everything is shut down after the file."""
-    import ray
-    from ray.cluster_utils import Cluster
+@dataclass(frozen=True)
+class ClusterUnderTest:
+    nodes: Any  # ray.cluster_utils.Cluster: tests add and remove nodes
+    tls: TLSMaterial  # mutual TLS whose certificates name the nodes' address
+    tls_dir: Path  # the same as files: ca.pem, server.pem/.key, client.pem/.key
 
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "resources": {"trainer_node": 2}, "include_dashboard": False})  # fmt: skip
-    try:
-        c.add_node(
-            num_cpus=2, resources={"engine_node": 2}
-        )  # two runs at once: the module's and one more
-        ray.init(address=c.address, log_to_driver=False)
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterUnderTest]:
+    """Two raylets (trainer node, engine node), 2 CPUs each (two runs at once: the module's
+    and one more) and the driver connected. Everything is shut down after the file."""
+    import ray
+
+    with local_cluster([TRAINER_RES, ENGINE_RES], cpus_per_node=2) as c:
         pki = make_pki(tmp_path_factory.mktemp("pki"), hosts=(ray.util.get_node_ip_address(),))
-        yield TLSMaterial.from_files(pki["ca"], pki["server"], pki["server_key"],
+        tls = TLSMaterial.from_files(pki["ca"], pki["server"], pki["server_key"],
                                      pki["client"], pki["client_key"])  # fmt: skip
-    finally:
-        ray.shutdown()
-        c.shutdown()
+        yield ClusterUnderTest(c, tls, Path(pki["ca"]).parent)
 
 
 def _spec(tls: TLSMaterial | None, isoexec: bool = True, eager: bool = False, **kw: Any) -> RaySpec:
@@ -75,8 +80,8 @@ def _spec(tls: TLSMaterial | None, isoexec: bool = True, eager: bool = False, **
 
 
 @pytest.fixture(scope="module")
-def run(cluster: TLSMaterial) -> Iterator[RayRun]:
-    with RayRun(_spec(cluster)) as r:
+def run(cluster: ClusterUnderTest) -> Iterator[RayRun]:
+    with RayRun(_spec(cluster.tls)) as r:
         yield r
 
 
@@ -157,10 +162,10 @@ def test_killed_engine_restarts_and_is_refused_until_it_matches(run: RayRun) -> 
     assert _bitwise(run)[0]
 
 
-def test_trainer_contract_change_makes_every_actor_refuse(cluster: TLSMaterial) -> None:
+def test_trainer_contract_change_makes_every_actor_refuse(cluster: ClusterUnderTest) -> None:
     import ray
 
-    spec = _spec(cluster, eager=True, run_id="ray-mismatch")
+    spec = _spec(cluster.tls, eager=True, run_id="ray-mismatch")
     changed = replace(spec, trainer_side=replace(spec.side, options=IsoExecOptions(
         tp_invariant=True)))  # fmt: skip
     with RayRun(changed) as r:
@@ -172,38 +177,123 @@ def test_trainer_contract_change_makes_every_actor_refuse(cluster: TLSMaterial) 
             r.sync_weights()
 
 
-def test_isoexec_off_differs(cluster: TLSMaterial) -> None:
+def test_isoexec_off_differs(cluster: ClusterUnderTest) -> None:
     """Negative control: stock Megatron scoring stock vLLM's samples, same cluster."""
     with RayRun(_spec(None, isoexec=False, eager=True)) as r:
         equal, comps = _bitwise(r)
         assert not equal and all(c.token_ids for c in comps)
 
 
-def test_a_cluster_without_the_resources_is_refused_at_once(cluster: TLSMaterial) -> None:
+def test_a_cluster_without_the_resources_is_refused_at_once(cluster: ClusterUnderTest) -> None:
 
     before = _live_groups()
     with pytest.raises(ClusterResourcesError, match="gpu_node: asks 1, cluster has 0"):
-        RayRun(replace(_spec(cluster), engine_bundle={"CPU": 1, "gpu_node": 1})).start()
+        RayRun(replace(_spec(cluster.tls), engine_bundle={"CPU": 1, "gpu_node": 1})).start()
     with pytest.raises(ClusterResourcesError, match="engine_node: asks 3, cluster has 2"):
-        RayRun(replace(_spec(cluster), engines=3)).start()
-    taken = replace(_spec(cluster), engines=2, placement_timeout_s=5)  # the module's run holds one
+        RayRun(replace(_spec(cluster.tls), engines=3)).start()
+    taken = replace(
+        _spec(cluster.tls), engines=2, placement_timeout_s=5
+    )  # the module's run holds one
     with pytest.raises(ClusterResourcesError, match="not placed within 5 s"):
         RayRun(taken).start()
     assert _live_groups() == before  # no placement group of the refused runs is left
 
 
-def test_a_plaintext_handshake_across_the_network_is_refused(cluster: TLSMaterial) -> None:
+def test_a_plaintext_handshake_across_the_network_is_refused(cluster: ClusterUnderTest) -> None:
     before = _live_groups()
     with pytest.raises(RunRefusedError, match=r"give RaySpec\(tls=TLSMaterial"):
         RayRun(_spec(None)).start()
     assert _live_groups() == before
 
 
-def test_a_node_with_another_runtime_is_refused(cluster: TLSMaterial) -> None:
+def test_a_node_with_another_runtime_is_refused(cluster: ClusterUnderTest) -> None:
 
     here = RuntimeIdentity.here()
     other = replace(here, isoexec="0.0.1")  # the driver's as if another IsoExec were installed
     before = _live_groups()
     with pytest.raises(ActorRuntimeMismatchError, match=r"isoexec: driver 0\.0\.1, actor"):
-        RayRun(_spec(cluster), identity=other).start()
+        RayRun(_spec(cluster.tls), identity=other).start()
     assert _live_groups() == before  # its placement groups are gone, no actor was started
+
+
+def test_a_node_lost_mid_sync_loads_nothing_and_its_engine_must_match_again(
+    cluster: ClusterUnderTest,
+) -> None:
+    """The engine's node is removed while the engine holds part of a weight sync staged (a
+    later chunk is held back so the loss falls mid-sync): the sync fails naming the engine;
+    Ray places the engine's bundle on a new node and restarts it there, on its starting
+    checkpoint (nothing staged was loaded), refused weights until it offers and MATCHes."""
+    import ray
+
+    lost = cluster.nodes.add_node(num_cpus=1, resources={"spare_node": 1})
+    spec = replace(_spec(cluster.tls, eager=True, run_id="ray-node-lost"),
+                   engine_bundle={"CPU": 1, "spare_node": 1})  # fmt: skip
+    with RayRun(spec) as r:
+        r.handshake()
+        start = ray.get(r.engines[0].weight_fingerprint.remote())
+        node, pid = ray.get([r.engines[0].node.remote(), r.engines[0].pid.remote()])
+        r.train_step(r.generate(PROMPTS, SAMPLING), advantages=[1.0, -1.0, 0.0, 0.5])
+        manifest = ray.get(r.trainers[0].publish_weights.remote(4096))
+        n, k = len(manifest.chunks), 3
+
+        def after(seconds: float, value: Any) -> Any:  # nested: Ray ships it by value
+            time.sleep(seconds)
+            return value
+
+        # held back on the trainer's node (the node that goes is the engine's alone)
+        held = ray.remote(after).options(num_cpus=0, resources={"trainer_node": 0.01})
+        held_back = held.remote(60.0, manifest.chunks[k])
+        stalled = replace(manifest, chunks=(*manifest.chunks[:k], held_back,
+                                            *manifest.chunks[k + 1 :]))  # fmt: skip
+        failure: list[BaseException] = []
+
+        def deliver() -> None:
+            try:
+                r.deliver(stalled)
+            except BaseException as e:
+                failure.append(e)
+
+        t = threading.Thread(target=deliver)
+        t.start()
+        deadline = time.monotonic() + 60
+        while ray.get(r.engines[0].sync_progress.remote()) != (k, n):
+            assert time.monotonic() < deadline, "the sync never reached the held-back chunk"
+            time.sleep(0.1)
+        cluster.nodes.remove_node(lost)  # k chunks staged, the rest not yet fetched
+        t.join(120)
+        assert not t.is_alive() and len(failure) == 1, failure
+        assert isinstance(failure[0], EngineLostError) and failure[0].engines == (0,)
+        assert "during a weight sync" in str(failure[0])
+        ray.cancel(held_back, force=True)
+        free(manifest)
+
+        cluster.nodes.add_node(num_cpus=1, resources={"spare_node": 1})  # somewhere to go
+        r.wait_for_engine(0, dead_pid=pid)
+        assert ray.get(r.engines[0].node.remote()) != node  # restarted on the new node
+        assert ray.get(r.engines[0].weight_fingerprint.remote()) == start  # nothing loaded
+        with pytest.raises(ray.exceptions.RayTaskError, match="no MATCH"):
+            r.sync_weights()
+        r.handshake(engines=[0])
+        r.sync_weights()
+        assert _bitwise(r)[0]
+
+
+def test_the_grpo_ray_example_on_this_cluster(cluster: ClusterUnderTest, tmp_path: Path) -> None:
+    """`examples/grpo_ray.py --address` as a user runs it against a cluster (its own driver
+    process, mutual TLS from --tls-dir, the bundles pinning trainer and engine to their nodes):
+    the logged diff and the ratio's deviation are exactly 0 at every step."""
+    import ray
+
+    out = tmp_path / "steps.json"
+    cmd = [sys.executable, str(Path(__file__).parents[1] / "examples" / "grpo_ray.py"),
+           "--address", cluster.nodes.address, "--steps", "3", "--tls-dir", str(cluster.tls_dir),
+           "--trainer-bundle", json.dumps(TRAINER_NODE), "--engine-bundle", json.dumps(ENGINE_NODE),
+           "--out", str(out)]  # fmt: skip
+    assert ray.util.get_node_ip_address() in cluster.nodes.address
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    steps = json.loads(out.read_text())
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for s in steps:
+        assert s["policy/rollout_train_logprobs_abs_diff_max"] == 0.0, s
+        assert s["ratio_dev_max"] == 0.0, s

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+import ray
 from isoexec.contract.options import IsoExecOptions
 from isoexec.ray.identity import RuntimeIdentity
 from isoexec.ray.tls import TLSMaterial
@@ -100,7 +101,8 @@ def _node_id() -> str:
 
 
 class TrainerActor:
-    """One rank of the trainer's torch.distributed world (gloo on CPU, NCCL on GPU)."""
+    """One rank of the trainer's torch.distributed world (gloo on CPU, NCCL on a GPU that Ray
+    assigned it)."""
 
     def __init__(self, spec: SideSpec, rank: int, world: int, lr: float = 2e-2) -> None:
         self.spec, self.rank, self.world, self.lr = spec, rank, world, lr
@@ -130,7 +132,11 @@ class TrainerActor:
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
             WORLD_SIZE=str(self.world), LOCAL_RANK="0",
         )  # fmt: skip
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        import ray
+
+        # the GPUs Ray gave this rank (its bundle's), not whatever the node has: a CPU rank on
+        # a GPU node stays on the CPU, gloo; a GPU rank uses its GPU, NCCL
+        device = "cuda" if ray.get_gpu_ids() else "cpu"
         self._stack.enter_context(megatron_parallel(tp, pp=pp, ep=ep, device=device))
         self.model_dir = self.spec.model.materialise()
         dtype = getattr(torch, self.spec.dtype)
@@ -167,21 +173,19 @@ class TrainerActor:
         """One clipped policy-gradient step (GRPO's loss) against the engine's logprobs `old`;
         the ratio's deviation before the update is returned with the loss."""
         from isoexec.megatron import policy_logprobs
+        from isoexec.megatron.policy_loss import clipped_policy_loss, per_token
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         lps = policy_logprobs(self.model, sequences, temperature=temperature)
         new = torch.cat([lp[n - 1 :] for lp, n in zip(lps, prompt_lens, strict=True)])
         behaviour = torch.tensor([x for row in old for x in row], dtype=new.dtype)
-        per_token = zip(old, advantages, strict=True)
-        adv = torch.cat([torch.full((len(o),), float(a)) for o, a in per_token])
-        ratio = torch.exp(new - behaviour)
-        dev = (ratio.detach() - 1).abs()
-        loss = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
-        loss.backward()
+        adv = per_token(advantages, [len(o) for o in old])
+        pl = clipped_policy_loss(new, behaviour, adv, clip)
+        pl.loss.backward()
         self.opt.step()
-        return {"loss": float(loss), "ratio_dev_max": float(dev.max()),
-                "ratio_dev_mean": float(dev.mean())}  # fmt: skip
+        return {"loss": float(pl.loss), "ratio_dev_max": pl.ratio_dev_max,
+                "ratio_dev_mean": pl.ratio_dev_mean}  # fmt: skip
 
     def publish_weights(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WeightManifest | None:
         """Every rank exports (the export gathers shards); rank 0 puts the chunks into the
@@ -217,6 +221,7 @@ class EngineActor:
             model=self.model_dir, dtype=spec.dtype, isoexec=spec.isoexec, options=spec.options,
             tensor_parallel_size=tensor_parallel_size, seed=seed, enforce_eager=spec.enforce_eager,
         ))  # fmt: skip
+        self._progress = (0, 0)
 
     def identity(self) -> RuntimeIdentity:
         return RuntimeIdentity.here()
@@ -239,14 +244,23 @@ class EngineActor:
     def sync(self, manifest: WeightManifest, timeout_s: float = 300.0) -> list[str]:
         """Fetch the chunks one at a time into the workers' staging, then commit (the gate
         checks MATCH and the fingerprint); a failure drops what was staged."""
+        n = len(manifest.chunks)
+        self._progress = (0, n)
         try:
-            for chunk in fetch(manifest, timeout_s):
+            for i, chunk in enumerate(fetch(manifest, timeout_s)):
                 self.engine.call("stage_weights", chunk)
+                self._progress = (i + 1, n)
             return self.engine.call("commit_weights", manifest.fingerprint)
         except BaseException:
             with contextlib.suppress(Exception):
                 self.engine.call("drop_staged")
             raise
+
+    @ray.method(concurrency_group="progress")
+    def sync_progress(self) -> tuple[int, int]:
+        """(chunks staged, chunks in the manifest) of the latest sync: answered on its own
+        thread while `sync` runs (the actor's other methods run one at a time)."""
+        return self._progress
 
     def weight_fingerprint(self) -> list[str]:
         return self.engine.call("weight_fingerprint")

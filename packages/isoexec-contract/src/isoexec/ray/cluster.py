@@ -8,7 +8,8 @@ what was asked and what the cluster has), then waits a bounded time for the plac
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 Bundle = Mapping[str, float]
@@ -58,4 +59,28 @@ def release(pg: Any) -> None:
         remove_placement_group(pg)
 
 
-__all__ = ["Bundle", "ClusterResourcesError", "release", "reserve"]
+@contextmanager
+def local_cluster(nodes: Sequence[Mapping[str, float]], *, cpus_per_node: int = 1) -> Iterator[Any]:
+    """A multi-node Ray cluster on this machine (`ray.cluster_utils.Cluster`: one raylet per
+    node on the machine's address, the first one the head), with this process connected as
+    its driver; node i carries the custom resources `nodes[i]` (e.g. {"trainer_node": 1}) so
+    bundles can pin actors to it. Yields the `Cluster` (tests add and remove nodes); the
+    driver is disconnected and every raylet and the GCS are shut down on exit, error or not."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    if not nodes:
+        raise ValueError("local_cluster: at least one node (the head)")
+    head = {"num_cpus": cpus_per_node, "resources": dict(nodes[0]), "include_dashboard": False}
+    c = Cluster(initialize_head=True, head_node_args=head)
+    try:
+        for res in nodes[1:]:
+            c.add_node(num_cpus=cpus_per_node, resources=dict(res))
+        ray.init(address=c.address, log_to_driver=False)
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+__all__ = ["Bundle", "ClusterResourcesError", "local_cluster", "release", "reserve"]

@@ -23,11 +23,24 @@ from isoexec.ray.actors import EngineActor, HandshakeActor, SideSpec, TrainerAct
 from isoexec.ray.cluster import Bundle, release, reserve
 from isoexec.ray.identity import RuntimeIdentity, require_same
 from isoexec.ray.tls import TLSMaterial
-from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, free
+from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, WeightManifest, free
 
 
 class RunRefusedError(RuntimeError):
     """A handshake did not MATCH, or weights were refused: the run must not go on."""
+
+
+class EngineLostError(RunRefusedError):
+    """An engine's actor died during a call (its node lost or its process killed): Ray
+    restarts it on the checkpoint it starts from, where it holds no MATCH."""
+
+    def __init__(self, engines: Sequence[int], during: str, cause: BaseException) -> None:
+        self.engines = tuple(engines)
+        super().__init__(
+            f"engine(s) {list(self.engines)} lost during {during} ({type(cause).__name__}: its "
+            "node or process died); nothing it staged was loaded. Ray restarts it on its "
+            "starting checkpoint: wait_for_engine(i), handshake(engines=[i]), then sync again"
+        )
 
 
 @dataclass(frozen=True)
@@ -115,12 +128,15 @@ class RayRun:
             self.address = ray.get(self.handshake_actor.address.remote())
         trainer_side = s.trainer_side or s.side
         self.trainers = [
-            _remote(TrainerActor, t_pg, r).remote(trainer_side, r, s.trainer_ranks, s.lr)
+            _remote(TrainerActor, t_pg, r, claim=s.trainer_bundle).remote(
+                trainer_side, r, s.trainer_ranks, s.lr
+            )
             for r in range(s.trainer_ranks)
         ]
         self.engines = [
-            _remote(EngineActor, e_pg, i, max_restarts=s.engine_max_restarts).remote(
-                s.side, s.engine_tp, s.seed)
+            _remote(EngineActor, e_pg, i, claim=s.engine_bundle,
+                    max_restarts=s.engine_max_restarts,
+                    groups={"progress": 1}).remote(s.side, s.engine_tp, s.seed)
             for i in range(s.engines)
         ]  # fmt: skip
         master = ray.get(self.trainers[0].endpoint.remote())
@@ -240,15 +256,37 @@ class RayRun:
     def sync_weights(self, engines: Sequence[int] | None = None) -> str:
         """The trainer's weights to every engine (or `engines`) through the object store;
         each loads through its gate. Returns the fingerprint every engine now holds."""
-        import ray
-
         manifest = self._on_trainers(lambda t: t.publish_weights.remote(self.spec.chunk_bytes))
-        which = range(len(self.engines)) if engines is None else engines
         try:
-            got = ray.get([self.engines[i].sync.remote(manifest) for i in which])
+            return self.deliver(manifest, engines)
         finally:
             free(manifest)
-        held = {fp for fps in got for fp in fps}
+
+    def deliver(self, manifest: WeightManifest, engines: Sequence[int] | None = None) -> str:
+        """Send a published manifest to every engine (or `engines`), all at once; each stages
+        it chunk by chunk and commits through its gate. Every engine is waited for; then an
+        engine whose actor died is named in `EngineLostError`, any other refusal re-raised."""
+        import ray
+        from ray.exceptions import ActorUnavailableError, RayActorError
+
+        which = list(range(len(self.engines)) if engines is None else engines)
+        refs = [self.engines[i].sync.remote(manifest) for i in which]
+        held: set[str] = set()
+        lost: list[int] = []
+        cause: BaseException | None = None
+        refused: BaseException | None = None
+        for i, ref in zip(which, refs, strict=True):
+            try:
+                held.update(ray.get(ref))
+            except (RayActorError, ActorUnavailableError) as e:
+                lost.append(i)
+                cause = e
+            except Exception as e:  # a gate refusal or a missing chunk: the engine lives on
+                refused = refused or e
+        if lost and cause is not None:
+            raise EngineLostError(lost, "a weight sync", cause) from cause
+        if refused is not None:
+            raise refused
         if held != {manifest.fingerprint}:
             raise RunRefusedError(f"engines hold {sorted(held)}, the trainer sent "
                                   f"{manifest.fingerprint}")  # fmt: skip
@@ -263,21 +301,32 @@ def _sequences(completions: list[Any]) -> tuple[list[list[int]], list[int]]:
     return seqs, [len(c.prompt_token_ids) for c in completions]
 
 
-def _remote(cls: type, pg: Any, bundle: int, **options: Any) -> Any:
-    """`cls` as an actor in bundle `bundle` of `pg`."""
+def _remote(
+    cls: type, pg: Any, bundle: int, claim: Bundle | None = None,
+    groups: dict[str, int] | None = None, **options: Any,
+) -> Any:  # fmt: skip
+    """`cls` as an actor in bundle `bundle` of `pg`, holding `claim` of it (the trainer ranks
+    and engines claim their whole bundle: Ray then gives them its GPUs, CUDA_VISIBLE_DEVICES
+    included; the handshake service claims nothing and shares trainer rank 0's); `groups`:
+    its methods' concurrency groups (a thread each, besides the default one)."""
     import ray
 
-    return _placed(ray.remote(cls), pg, bundle, **options)
+    res = dict(claim or {})
+    cpus, gpus = res.pop("CPU", 0), res.pop("GPU", 0)
+    actor = ray.remote(concurrency_groups=groups)(cls) if groups else ray.remote(cls)
+    return _placed(actor, pg, bundle, num_cpus=cpus, num_gpus=gpus,
+                   resources=res, **options)  # fmt: skip
 
 
 def _placed(remote: Any, pg: Any, bundle: int, **options: Any) -> Any:
     """A remote function or actor class pinned to bundle `bundle` of `pg` (the bundle holds the
-    resources; the task or actor asks for none beyond them)."""
+    resources; without `options` the task or actor asks for none beyond them)."""
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg,
                                                 placement_group_bundle_index=bundle)  # fmt: skip
-    return remote.options(num_cpus=0, scheduling_strategy=strategy, **options)
+    options.setdefault("num_cpus", 0)
+    return remote.options(scheduling_strategy=strategy, **options)
 
 
-__all__ = ["RayRun", "RaySpec", "RunRefusedError"]
+__all__ = ["EngineLostError", "RayRun", "RaySpec", "RunRefusedError"]
