@@ -37,7 +37,7 @@ from isoexec.megatron import (
     save_hf_safetensors,
 )
 from isoexec.megatron.canary import offer_canary
-from isoexec.megatron.policy_loss import clipped_policy_loss, per_token
+from isoexec.megatron.policy_loss import clipped_policy_loss, per_token, policy_step
 from isoexec.tools.tiny_models import make_tiny_model
 from isoexec.vllm.engine_process import EngineConfig, EngineProcess, SamplingSpec
 
@@ -125,8 +125,7 @@ def run(settings: GRPORun) -> list[StepLog]:
                 a = per_token(adv.tolist(), [len(c.token_ids) for c in comps])
                 pl = clipped_policy_loss(new, old, a, CLIP)
                 dev, loss = pl.ratio_dev_max, pl.loss
-                loss.backward()
-                opt.step()
+                policy_step(model, opt, loss)
                 logs.append(StepLog(step, float(rewards.mean()), int(new.numel()), dev, dev == 0.0))
                 print(json.dumps(asdict(logs[-1])), flush=True)
                 # weight sync: export, fingerprint, load behind the gate (stock arm: no gate)

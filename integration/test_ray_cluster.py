@@ -152,12 +152,33 @@ def test_killed_engine_restarts_and_is_refused_until_it_matches(run: RayRun) -> 
     pid = ray.get(run.engines[0].pid.remote())
     os.kill(pid, signal.SIGKILL)  # the engine's actor process dies (its engine goes with it)
     run.wait_for_engine(0, dead_pid=pid)  # Ray restarted it: a fresh engine, no MATCH
+    with pytest.raises(RunRefusedError, match="engine 0 has no canary MATCH"):
+        run.generate(PROMPTS, SAMPLING)  # it holds its starting checkpoint: no samples
     with pytest.raises(ray.exceptions.RayTaskError) as e:
         run.sync_weights()
     assert "no MATCH" in str(e.value), e.value
     status = ray.get(run.engines[0].gate_status.remote())
     assert [s["cleared"] for s in status] == [False]
     run.handshake(engines=[0])  # the restarted engine offers again: MATCH against the trainer
+    with pytest.raises(RunRefusedError, match="no canary MATCH"):
+        run.generate(PROMPTS, SAMPLING)  # still the starting weights until the next sync
+    run.sync_weights()  # then the canary of the new version: MATCH
+    assert _bitwise(run)[0]
+
+
+def test_an_engine_given_stale_weights_fails_the_canary_and_samples_nothing(run: RayRun) -> None:
+    """A transfer that passes the gate (its fingerprint is its own) but carries weights the
+    trainer no longer holds: the canary of the new version MISMATCHes, naming the first
+    differing probe position, and the engine is refused samples until a sync MATCHes."""
+    import ray
+
+    stale = ray.get(run.trainers[0].publish_weights.remote(run.spec.chunk_bytes))
+    run.train_step(run.generate(PROMPTS, SAMPLING), advantages=[0.5, -0.5, 1.0, -1.0])
+    with pytest.raises(RunRefusedError, match="canary MISMATCH at weights version"):
+        run.deliver(stale)  # loaded through the gate; the canary sees the difference
+    free(stale)
+    with pytest.raises(RunRefusedError, match="engine 0 has no canary MATCH"):
+        run.generate(PROMPTS, SAMPLING)
     run.sync_weights()
     assert _bitwise(run)[0]
 
@@ -322,6 +343,33 @@ def test_tp2_trainer_ranks_and_a_tp2_engine_on_two_more_nodes(cluster: ClusterUn
             r.train_step(r.generate(PROMPTS, SAMPLING), advantages=[1.0, -1.0, 0.5, -0.5])
             fp = r.sync_weights()
             assert fp != before and set(ray.get(r.engines[0].weight_fingerprint.remote())) == {fp}
+            assert _bitwise(r)[0]
+    finally:
+        for n in nodes:
+            cluster.nodes.remove_node(n)
+
+
+@pytest.mark.matrix  # CI time (two more engines on 2 cores); run with -m matrix (README)
+def test_two_engines_on_two_more_nodes_take_disjoint_ranks(cluster: ClusterUnderTest) -> None:
+    """Two engine actors, one per node (SPREAD): their workers offer as engine/0 and engine/1,
+    each passes the canary, the prompts are split across them and every completion is bitwise
+    the trainer's, before and after a sync to both."""
+    import ray
+
+    nodes = [cluster.nodes.add_node(num_cpus=1, resources={"two_engines": 1}) for _ in range(2)]
+    spec = replace(_spec(cluster.tls, eager=True, run_id="ray-two-engines"), engines=2,
+                   engine_bundle={"CPU": 1, "two_engines": 1})  # fmt: skip
+    try:
+        with RayRun(spec) as r:
+            where = ray.get([e.node.remote() for e in r.engines])
+            assert where[0] != where[1]
+            verdicts = r.handshake()
+            assert len(verdicts["engine"]) == 2
+            assert _bitwise(r)[0]
+            r.train_step(r.generate(PROMPTS, SAMPLING), advantages=[1.0, -1.0, 0.5, -0.5])
+            fp = r.sync_weights()
+            held = ray.get([e.weight_fingerprint.remote() for e in r.engines])
+            assert held == [[fp], [fp]]
             assert _bitwise(r)[0]
     finally:
         for n in nodes:

@@ -35,3 +35,36 @@ def test_per_token_repeats_each_advantage_over_its_completion() -> None:
 def test_shapes_that_differ_are_refused() -> None:
     with pytest.raises(ValueError, match="shapes differ"):
         clipped_policy_loss(torch.zeros(3), torch.zeros(2), torch.zeros(3))
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("mode", ["policy_step", "bare"])
+def test_policy_step_keeps_the_tp_ranks_replicated_weights_equal(tmp_path, mode: str) -> None:
+    """At TP=2 each rank holds a partial gradient of the q/k norms (shared by its heads only):
+    `policy_step` sums them over TP before the step, and every replicated weight stays equal
+    on both ranks; a bare backward and step (the negative control) lets the q/k norms drift."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from isoexec.tools.tiny_models import make_tiny_model
+
+    model = make_tiny_model("tiny-dense", tmp_path / "m", seed=3)
+    worker = Path(__file__).parents[1] / "_support" / "policy_step_worker.py"
+    with socket.socket() as sock:  # a free rendezvous port (the suite runs files in parallel)
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(port), str(worker), str(model), mode],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("DIFFER "))
+    differ = json.loads(line.removeprefix("DIFFER "))
+    if mode == "policy_step":
+        assert differ == []
+    else:
+        assert differ and all("q_layernorm" in n or "k_layernorm" in n for n in differ), differ

@@ -137,8 +137,10 @@ class TrainerActor:
         # the GPUs Ray gave this rank (its bundle's), not whatever the node has: a CPU rank on
         # a GPU node stays on the CPU, gloo; a GPU rank uses its GPU, NCCL
         device = "cuda" if ray.get_gpu_ids() else "cpu"
-        self._stack.enter_context(megatron_parallel(tp, pp=pp, ep=ep, device=device))
+        # before joining the world: transformers' save_pretrained writes on rank 0 alone once
+        # torch.distributed is up, and each rank makes its own copy of a preset
         self.model_dir = self.spec.model.materialise()
+        self._stack.enter_context(megatron_parallel(tp, pp=pp, ep=ep, device=device))
         dtype = getattr(torch, self.spec.dtype)
         self.model = build_model(self.model_dir, isoexec=self.spec.isoexec, tp=tp, dtype=dtype,
                                  options=self.spec.options)  # fmt: skip
@@ -155,6 +157,18 @@ class TrainerActor:
         v = offer_contract(self.model, self.model_dir, address, token, run_id, tls=client_tls)
         return {"outcome": v.outcome, "hash": v.contract_hash, "summary": v.summary,
                 "diff": list(v.diff)}  # fmt: skip
+
+    def canary(
+        self, address: str, token: str, run_id: str, version: int, tls: TLSMaterial | None
+    ) -> dict[str, Any]:
+        """Score the run's canary probe under the live weights and offer it as this rank for
+        weights `version` (every rank must call: the forward is the world's)."""
+        from isoexec.megatron.canary import offer_canary
+
+        client_tls = None if tls is None else tls.client()
+        v = offer_canary(self.model, address, token, run_id, version, rank=self.rank,
+                         tls=client_tls)  # fmt: skip
+        return {"matched": v.matched, "summary": v.summary}
 
     def score(
         self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0,
@@ -173,7 +187,7 @@ class TrainerActor:
         """One clipped policy-gradient step (GRPO's loss) against the engine's logprobs `old`;
         the ratio's deviation before the update is returned with the loss."""
         from isoexec.megatron import policy_logprobs
-        from isoexec.megatron.policy_loss import clipped_policy_loss, per_token
+        from isoexec.megatron.policy_loss import clipped_policy_loss, per_token, policy_step
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
@@ -182,8 +196,8 @@ class TrainerActor:
         behaviour = torch.tensor([x for row in old for x in row], dtype=new.dtype)
         adv = per_token(advantages, [len(o) for o in old])
         pl = clipped_policy_loss(new, behaviour, adv, clip)
-        pl.loss.backward()
-        self.opt.step()
+        policy_step(self.model, self.opt, pl.loss)
+        self.model.eval()
         return {"loss": float(pl.loss), "ratio_dev_max": pl.ratio_dev_max,
                 "ratio_dev_mean": pl.ratio_dev_mean}  # fmt: skip
 
@@ -213,8 +227,12 @@ class EngineActor:
     """One vLLM engine (its own process tree, TP through vLLM's executor), started when the
     actor is (a restarted actor starts a fresh engine, which must offer again)."""
 
-    def __init__(self, spec: SideSpec, tensor_parallel_size: int = 1, seed: int = 0) -> None:
+    def __init__(
+        self, spec: SideSpec, tensor_parallel_size: int = 1, seed: int = 0, index: int = 0
+    ) -> None:
         from isoexec.vllm.engine_process import EngineConfig, EngineProcess
+
+        self.first_rank = index * tensor_parallel_size  # its workers' engine ranks in the run
 
         self.model_dir = spec.model.materialise()
         self.engine = EngineProcess(EngineConfig(
@@ -236,7 +254,16 @@ class EngineActor:
         self, address: str, token: str, run_id: str, tls: TLSMaterial | None
     ) -> list[dict[str, Any]]:
         """Every worker of this engine offers its contract (one verdict per worker)."""
-        return self.engine.call("handshake", address, token, run_id, _tls_dict(tls))
+        return self.engine.call("handshake", address, token, run_id, _tls_dict(tls),
+                                self.first_rank)  # fmt: skip
+
+    def canary(
+        self, address: str, token: str, run_id: str, version: int, tls: TLSMaterial | None
+    ) -> dict[str, Any]:
+        """Score the run's canary probe (in a batch with other requests) and offer it for
+        weights `version` as this engine's first worker."""
+        return self.engine.call("canary", address, token, run_id, version, _tls_dict(tls),
+                                None, self.first_rank)  # fmt: skip
 
     def generate(self, prompts: list[list[int]], sampling: Any) -> list[Any]:
         return self.engine.generate(prompts, sampling)

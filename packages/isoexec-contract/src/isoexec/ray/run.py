@@ -2,11 +2,13 @@
 actors, placed by placement groups; the gate and the weight sync between them.
 
     with RayRun(RaySpec(side=SideSpec(ModelSource(preset="tiny-dense")), tls=tls)) as run:
-        run.handshake()                   # every trainer rank and engine worker offers: MATCH
+        run.handshake()                   # every trainer rank and engine worker offers: MATCH,
+                                          # then the numeric canary of the starting weights
         comps = run.generate(prompts, SamplingSpec(max_tokens=8))
         run.score(comps)                  # == each completion's logprobs, bit for bit
         run.train_step(comps, advantages)
-        run.sync_weights()                # object store, chunked; each engine through the gate
+        run.sync_weights()                # object store, chunked; each engine through the gate,
+                                          # then the canary of the new weights version
 
 Everything the run starts it ends (`close`, also on error or interrupt): actors are killed and
 placement groups removed, so a failed start leaves nothing pending on the cluster.
@@ -86,6 +88,9 @@ class RayRun:
         self.handshake_actor: Any = None
         self.address: str | None = None
         self._groups: list[Any] = []
+        self.version = 0  # the weights version: 0 as loaded at start, +1 per sync
+        # engine index -> (version, actor pid) of its last canary MATCH: what `generate` checks
+        self._cleared: dict[int, tuple[int, int]] = {}
 
     # ---- lifetime -----------------------------------------------------------------------
     def __enter__(self) -> RayRun:
@@ -136,7 +141,7 @@ class RayRun:
         self.engines = [
             _remote(EngineActor, e_pg, i, claim=s.engine_bundle,
                     max_restarts=s.engine_max_restarts,
-                    groups={"progress": 1}).remote(s.side, s.engine_tp, s.seed)
+                    groups={"progress": 1}).remote(s.side, s.engine_tp, s.seed, i)
             for i in range(s.engines)
         ]  # fmt: skip
         master = ray.get(self.trainers[0].endpoint.remote())
@@ -175,8 +180,10 @@ class RayRun:
 
     # ---- the gate ------------------------------------------------------------------------
     def handshake(self, engines: Sequence[int] | None = None) -> dict[str, Any]:
-        """Every trainer rank and every worker of the engines offers (all at once; `engines`:
-        only these re-offer, e.g. a restarted one); `RunRefusedError` unless all MATCH."""
+        """Every trainer rank and every worker of the engines offers (all at once), then the
+        numeric canary of the weights loaded at start; `RunRefusedError` unless all MATCH.
+        `engines`: only these re-offer (a restarted one); they sample again after the next
+        sync's canary (they hold the starting checkpoint, the trainer may not)."""
         import ray
 
         s = self.spec
@@ -196,7 +203,47 @@ class RayRun:
         if bad:
             raise RunRefusedError(f"handshake {bad[0]['outcome']}: {bad[0]['summary']}\n"
                                   + "\n".join(bad[0]["diff"][:20]))  # fmt: skip
+        if engines is None:
+            self.canary()
         return {"trainer": trainer, "engine": engine}
+
+    def canary(self, engines: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Every trainer rank and the engines (all, or `engines`) score the run's probe under
+        the weights they hold and offer it for the current weights version; an engine samples
+        only after its canary MATCHed (`generate` checks). `RunRefusedError` on a MISMATCH."""
+        import ray
+
+        s = self.spec
+        which = list(range(len(self.engines)) if engines is None else engines)
+        args = (self.address, self.token, s.run_id, self.version, s.tls)
+        t_refs = [t.canary.remote(*args) for t in self.trainers]
+        e_refs = [self.engines[i].canary.remote(*args) for i in which]
+        pids = [self.engines[i].pid.remote() for i in which]
+        ray.get(t_refs)
+        verdicts = ray.get(e_refs)
+        for i, v, pid in zip(which, verdicts, ray.get(pids), strict=True):
+            if v["matched"]:
+                self._cleared[i] = (self.version, int(pid))
+            else:
+                self._cleared.pop(i, None)
+        bad = [(i, v) for i, v in zip(which, verdicts, strict=True) if not v["matched"]]
+        if bad:
+            raise RunRefusedError(f"engine {bad[0][0]}: {bad[0][1]['summary']}")
+        return verdicts
+
+    def _require_cleared(self, engines: Sequence[int]) -> None:
+        """Each engine's last canary MATCHed the current weights version, and it has not
+        restarted since (a restarted engine holds its starting checkpoint)."""
+        import ray
+
+        pids = ray.get([self.engines[i].pid.remote() for i in engines])
+        for i, pid in zip(engines, pids, strict=True):
+            if self._cleared.get(i) != (self.version, int(pid)):
+                raise RunRefusedError(
+                    f"engine {i} has no canary MATCH for weights version {self.version} (it "
+                    "restarted, or missed a sync): handshake(engines=[i]) and sync_weights() "
+                    "first"
+                )
 
     def wait_for_engine(self, i: int, dead_pid: int | None = None, timeout_s: float = 300.0) -> int:
         """Wait until engine `i` answers from a process other than `dead_pid` (Ray restarted
@@ -225,6 +272,8 @@ class RayRun:
         import ray
 
         n = len(self.engines)
+        if self.address is not None:  # IsoExec on: only engines whose weights passed
+            self._require_cleared([i for i in range(n) if prompts[i::n]])
         parts = [prompts[i::n] for i in range(n)]
         pairs = zip(self.engines, parts, strict=True)
         outs = ray.get([e.generate.remote(p, sampling) for e, p in pairs if p])
@@ -290,6 +339,8 @@ class RayRun:
         if held != {manifest.fingerprint}:
             raise RunRefusedError(f"engines hold {sorted(held)}, the trainer sent "
                                   f"{manifest.fingerprint}")  # fmt: skip
+        self.version += 1  # new weights, a new version: the engines sample after its canary
+        self.canary(which)
         return manifest.fingerprint
 
     def trainer_fingerprint(self) -> str:

@@ -39,4 +39,18 @@ def clipped_policy_loss(
     return PolicyLoss(loss, float(dev.max()), float(dev.mean()))
 
 
-__all__ = ["PolicyLoss", "clipped_policy_loss", "per_token"]
+def policy_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss: torch.Tensor
+) -> None:
+    """Backward, then what Megatron's training loop would reduce before the step (the q/k norm
+    gradients over TP: each rank holds a partial sum), then the optimizer step. Without the
+    reduction the TP ranks' copies of the q/k norms drift apart after one step, and the live
+    model no longer equals its export (the numeric canary finds it)."""
+    from isoexec.megatron.scoring import sum_qk_norm_grads_over_tp
+
+    loss.backward()
+    sum_qk_norm_grads_over_tp(model)
+    optimizer.step()
+
+
+__all__ = ["PolicyLoss", "clipped_policy_loss", "per_token", "policy_step"]

@@ -49,10 +49,12 @@ def offer(
     tls: ClientTLS | None,
     scored_s: float,
     timeout_s: float = 600.0,
+    rank: int = 0,
 ) -> dict[str, Any]:
-    """Offer the engine's canary; the verdict as a plain dict (it crosses processes)."""
+    """Offer the engine's canary as engine/`rank` (its first worker's engine rank); the
+    verdict as a plain dict (it crosses processes)."""
     with HandshakeClient(address, token, timeout_s=timeout_s, tls=tls) as client:
-        verdict = client.offer_canary(run_id, ENGINE_SIDE, 0, weights_version, values)
+        verdict = client.offer_canary(run_id, ENGINE_SIDE, rank, weights_version, values)
     out = asdict(verdict)
     out["matched"] = verdict.matched
     out["engine_scored_s"] = scored_s

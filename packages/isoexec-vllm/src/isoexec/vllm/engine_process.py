@@ -328,12 +328,14 @@ class _Handler:
         return self.llm.collective_rpc("isoexec_contract")[0]
 
     def handshake(
-        self, address: str, token: str, run_id: str, tls: dict[str, str | None] | None = None
-    ) -> list[dict[str, Any]]:
+        self, address: str, token: str, run_id: str, tls: dict[str, str | None] | None = None,
+        rank_offset: int = 0,
+    ) -> list[dict[str, Any]]:  # fmt: skip
         """Every worker offers its contract, concurrently (one verdict per worker); `tls`:
-        `ClientTLS` fields for a TLS handshake service."""
+        `ClientTLS` fields for a TLS handshake service; `rank_offset`: this engine's first
+        engine rank in a run of several engines."""
         return self.llm.collective_rpc(
-            "isoexec_handshake", args=(address, token, run_id, 300.0, tls)
+            "isoexec_handshake", args=(address, token, run_id, 300.0, tls, rank_offset)
         )
 
     def canary(
@@ -344,9 +346,10 @@ class _Handler:
         weights_version: int,
         tls: dict[str, str | None] | None = None,
         lora: LoraAdapter | None = None,
+        rank: int = 0,
     ) -> dict[str, Any]:
         """Score the run's canary probe in a batch with other requests and offer it as
-        engine/0 for `weights_version` (`isoexec.vllm.canary`); the verdict as a dict. With
+        engine/`rank` for `weights_version` (`isoexec.vllm.canary`); the verdict as a dict. With
         `lora` (added first), the probe and one other request of the batch run under that
         adapter: the canary of an adapter run is the adapter's."""
         import time
@@ -367,7 +370,7 @@ class _Handler:
         return canary.offer(
             values, address=address, token=token, run_id=run_id,
             weights_version=weights_version, tls=ClientTLS(**tls) if tls else None,
-            scored_s=time.perf_counter() - started,
+            scored_s=time.perf_counter() - started, rank=rank,
         )  # fmt: skip
 
     def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:

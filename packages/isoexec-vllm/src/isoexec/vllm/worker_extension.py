@@ -60,14 +60,16 @@ class IsoWorkerExtension:
         run_id: str,
         timeout_s: float = 300.0,
         tls: dict[str, str | None] | None = None,
+        rank_offset: int = 0,
     ) -> dict[str, Any]:
-        """Offer this worker's contract (as engine rank = its worker rank); clear it for
-        weights only on MATCH. All workers offer concurrently through one collective RPC.
-        `tls`: `ClientTLS` fields (ca, cert, key) to reach a TLS handshake service."""
+        """Offer this worker's contract (as engine rank = `rank_offset` + its worker rank:
+        several engines in one run take disjoint ranks); clear it for weights only on MATCH.
+        All workers offer concurrently through one collective RPC. `tls`: `ClientTLS` fields
+        (ca, cert, key) to reach a TLS handshake service."""
         from isoexec.handshake.client import HandshakeClient
         from isoexec.handshake.tls import ClientTLS
 
-        rank = int(getattr(self, "rank", 0))
+        rank = int(rank_offset) + int(getattr(self, "rank", 0))
         client_tls = ClientTLS(**tls) if tls else None
 
         weight_gate.revoke()  # no weights while this offer is open or if it does not MATCH
