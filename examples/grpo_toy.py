@@ -135,8 +135,8 @@ def run(settings: GRPORun) -> list[StepLog]:
                 if isoexec:
                     assert engine.call("load_weights", str(path), digest) == [digest]
                     _canary(model, engine, server.address, token, version=step + 1)
-                else:  # stock vLLM has no gate: restart it on the new checkpoint
-                    engine.close()
+                elif step + 1 < settings.steps:  # stock vLLM has no gate: restart it on the
+                    engine.close()  # new checkpoint (not after the last step: nothing samples)
                     engine = EngineProcess(
                         EngineConfig(model=str(_checkpoint(model_dir, path)), seed=settings.seed)
                     )

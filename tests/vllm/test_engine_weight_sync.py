@@ -69,6 +69,31 @@ def test_weight_sync_gate_fingerprints_and_reload(
                 eng.call("load_weights", str(new_file), "0" * 64)
             assert eng.call("weight_fingerprint") == before
 
+            # 2b. Transfers that are not the model's own set, each hashed to its own bytes (a
+            # trainer that sent the wrong thing, whole): refused by name, nothing loaded.
+            first = next(iter(new_weights))
+            bad_sets = {
+                "missing": {k: v for k, v in new_weights.items() if k != first},
+                "the model does not have": {**new_weights, "model.extra.weight": torch.ones(2)},
+                "another shape or dtype": {**new_weights, first: new_weights[first][:-1]},
+                "another shape or dtype ": {**new_weights, first: new_weights[first].double()},
+                "NaN or Inf": {**new_weights, first: new_weights[first].clone().fill_(
+                    float("nan"))},
+            }  # fmt: skip
+            for i, (why, weights) in enumerate(bad_sets.items()):
+                f = tmp_path / f"bad{i}.safetensors"
+                save_file(weights, str(f))
+                digest = WeightFingerprint.of(weights).digest
+                with pytest.raises(EngineError, match=rf"{why.strip()}.*nothing loaded"):
+                    eng.call("load_weights", str(f), digest)
+                assert eng.call("weight_fingerprint") == before, why
+            # NaN is let through only when asked for (a run that wants to see it fail later).
+            nan = bad_sets["NaN or Inf"]
+            f = tmp_path / "nan.safetensors"
+            save_file(nan, str(f))
+            nan_fp = WeightFingerprint.of(nan).digest
+            assert eng.call("load_weights", str(f), nan_fp, True) == [nan_fp]
+
             # 3. Cleared: loads, and the engine's live weights hash to the trainer's export.
             assert eng.call("load_weights", str(new_file), expected) == [expected]
 

@@ -373,9 +373,13 @@ class _Handler:
             scored_s=time.perf_counter() - started, rank=rank,
         )  # fmt: skip
 
-    def load_weights(self, path: str, expected_fingerprint: str) -> list[str]:
+    def load_weights(
+        self, path: str, expected_fingerprint: str, allow_nonfinite: bool = False
+    ) -> list[str]:
         """Load HF-named weights on every worker, then drop the now stale prefix cache."""
-        fps = self.llm.collective_rpc("isoexec_load_weights", args=(path, expected_fingerprint))
+        fps = self.llm.collective_rpc(
+            "isoexec_load_weights", args=(path, expected_fingerprint, allow_nonfinite)
+        )
         self.llm.reset_prefix_cache()
         return fps
 

@@ -85,16 +85,20 @@ class IsoWorkerExtension:
             "diff": list(verdict.diff),
         }
 
-    def isoexec_load_weights(self, path: str, expected_fingerprint: str) -> str:
+    def isoexec_load_weights(
+        self, path: str, expected_fingerprint: str, allow_nonfinite: bool = False
+    ) -> str:
         """Load HF-named weights from a safetensors file; return the live weights' fingerprint.
 
-        Refused before anything is touched when the worker is not cleared or when the received
-        tensors do not hash to the trainer's fingerprint (a corrupted or partial transfer).
+        Refused before anything is touched when the worker is not cleared, when the tensors
+        are not the model's own set (names, shapes, dtypes; NaN or Inf unless
+        `allow_nonfinite`: `weight_check`), or when they do not hash to the trainer's
+        fingerprint (a corrupted or partial transfer).
         """
         from safetensors.torch import load_file
 
         weight_gate.require_match("isoexec_load_weights")
-        return self._isoexec_load_verified(load_file(path), expected_fingerprint)
+        return self._isoexec_load_verified(load_file(path), expected_fingerprint, allow_nonfinite)
 
     def isoexec_stage_weights(self, chunk: dict[str, torch.Tensor]) -> int:
         """Hold one chunk of HF-named weights in this worker's memory, loading nothing (a
@@ -113,22 +117,34 @@ class IsoWorkerExtension:
         staged.update(chunk)
         return len(staged)
 
-    def isoexec_commit_weights(self, expected_fingerprint: str) -> str:
-        """Load the staged weights if, all together, they hash to the trainer's fingerprint;
-        staged weights are dropped either way (a refused transfer starts again whole)."""
+    def isoexec_commit_weights(
+        self, expected_fingerprint: str, allow_nonfinite: bool = False
+    ) -> str:
+        """Load the staged weights if, all together, they are the model's set and hash to the
+        trainer's fingerprint; staged weights are dropped either way (a refused transfer
+        starts again whole)."""
         staged = self.__dict__.pop("_isoexec_staged", {})
         weight_gate.require_match("isoexec_commit_weights")
         if not staged:
             raise WeightSyncRefusedError("weight sync refused: no weights were staged")
-        return self._isoexec_load_verified(staged, expected_fingerprint)
+        return self._isoexec_load_verified(staged, expected_fingerprint, allow_nonfinite)
 
     def isoexec_drop_staged(self) -> int:
         """Forget staged weights (an aborted transfer); how many tensors were dropped."""
         return len(self.__dict__.pop("_isoexec_staged", {}))
 
     def _isoexec_load_verified(
-        self, received: dict[str, torch.Tensor], expected_fingerprint: str
-    ) -> str:
+        self, received: dict[str, torch.Tensor], expected_fingerprint: str,
+        allow_nonfinite: bool = False,
+    ) -> str:  # fmt: skip
+        from isoexec.vllm.weight_check import check_transfer, expected_specs
+
+        expected = self.__dict__.get("_isoexec_expected_specs")
+        if expected is None:  # the model's HF-named set, once (shapes and dtypes do not change)
+            hf = self._isoexec_hf_config()
+            expected = expected_specs(dict(hf_named_weights(self.model_runner.model, hf)))
+            self._isoexec_expected_specs = expected
+        check_transfer(received, expected, allow_nonfinite=allow_nonfinite)
         got = WeightFingerprint.of(received).digest
         if got != expected_fingerprint:
             raise WeightSyncRefusedError(
