@@ -115,6 +115,7 @@ def main() -> None:
                     "policy/rollout_train_logprobs_abs_diff_mean": float(diff.mean()),
                     "policy/rollout_train_logprobs_abs_diff_max": float(diff.max()),
                     "ratio_dev_max": stats["ratio_dev_max"],
+                    "staleness": stats["staleness"],
                     "reward": float(rewards.mean()),
                     "step_s": round(time.perf_counter() - t0, 2),
                 })  # fmt: skip

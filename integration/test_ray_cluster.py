@@ -119,9 +119,15 @@ def test_train_step_sync_then_bitwise_again(run: RayRun) -> None:
 
     before = run.trainer_fingerprint()
     comps = run.generate(PROMPTS, SAMPLING)
+    assert {c.weights_version for c in comps} == {run.version}
     stats = run.train_step(comps, advantages=[1.0, -1.0, 0.5, -0.5])
     assert stats["ratio_dev_max"] == 0.0  # the engine's logprobs are the trainer's, exactly
+    assert stats["staleness"] == 0.0
+    with pytest.raises(RunRefusedError, match=r"trainer holds version \d+ \+ a train step"):
+        run.score(comps)  # the trainer's weights are no longer the ones that sampled them
     fp = run.sync_weights()
+    with pytest.raises(RunRefusedError, match=r"sampled under weights version\(s\) \[\d+\]"):
+        run.score(comps)  # sampled under the previous version
     assert fp != before and fp == run.trainer_fingerprint()
     assert ray.get(run.engines[0].gate_status.remote())[0]["gated_loads"] >= 1
     equal, _ = _bitwise(run)

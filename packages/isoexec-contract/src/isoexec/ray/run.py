@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from isoexec.ray.actors import EngineActor, HandshakeActor, SideSpec, TrainerActor
@@ -89,6 +89,7 @@ class RayRun:
         self.address: str | None = None
         self._groups: list[Any] = []
         self.version = 0  # the weights version: 0 as loaded at start, +1 per sync
+        self._stepped = False  # the trainer stepped since the last sync: it holds no version
         # engine index -> (version, actor pid) of its last canary MATCH: what `generate` checks
         self._cleared: dict[int, tuple[int, int]] = {}
 
@@ -279,7 +280,7 @@ class RayRun:
         outs = ray.get([e.generate.remote(p, sampling) for e, p in pairs if p])
         merged: list[Any] = [None] * len(prompts)
         for i, out in enumerate(outs):
-            merged[i::n] = out
+            merged[i::n] = [replace(c, weights_version=self.version) for c in out]
         return merged
 
     def _on_trainers(self, call: Callable[[Any], Any]) -> Any:
@@ -290,16 +291,33 @@ class RayRun:
 
     def score(self, completions: list[Any], temperature: float = 1.0,
               truncation: Any = None) -> list[list[float]]:  # fmt: skip
+        """The trainer's logprobs of each completion's tokens, under the weights they were
+        sampled with: `RunRefusedError` for a completion of another weights version, or when
+        the trainer has stepped since the version (its weights are then none the engines had).
+        """
+        versions = {c.weights_version for c in completions}
+        if self.address is not None and (versions != {self.version} or self._stepped):
+            held = f"{self.version}{' + a train step' if self._stepped else ''}"
+            raise RunRefusedError(
+                f"completions sampled under weights version(s) {sorted(versions, key=str)}, the "
+                f"trainer holds version {held}: scoring would compare different weights"
+            )
         seqs, lens = _sequences(completions)
         return self._on_trainers(lambda t: t.score.remote(seqs, lens, temperature, truncation))
 
     def train_step(self, completions: list[Any], advantages: list[float],
                    temperature: float = 1.0) -> dict[str, float]:  # fmt: skip
+        """One step of the clipped policy loss against the completions' own logprobs (the
+        behaviour policy's, exact whatever version sampled them); the stats add the
+        staleness: how many versions the oldest completion is behind the trainer's."""
         seqs, lens = _sequences(completions)
         old = [list(c.logprobs) for c in completions]
-        return self._on_trainers(
+        stats = self._on_trainers(
             lambda t: t.train_step.remote(seqs, lens, old, advantages, temperature)
         )
+        known = [c.weights_version for c in completions if c.weights_version is not None]
+        self._stepped = True
+        return {**stats, "staleness": float(self.version - min(known)) if known else 0.0}
 
     # ---- weight sync ---------------------------------------------------------------------
     def sync_weights(self, engines: Sequence[int] | None = None) -> str:
@@ -341,6 +359,7 @@ class RayRun:
                                   f"{manifest.fingerprint}")  # fmt: skip
         self.version += 1  # new weights, a new version: the engines sample after its canary
         self.canary(which)
+        self._stepped = False  # the trainer's weights are this version's (the canary says so)
         return manifest.fingerprint
 
     def trainer_fingerprint(self) -> str:

@@ -92,6 +92,9 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With `full_vocab`: per sampled token, the whole processed row (-inf: not kept).
     full_logprobs: list[list[float]] | None = None
+    # The weights version it was sampled under, where a driver tracks one (`isoexec.ray`:
+    # 0 as loaded at start, +1 per sync); None where nobody does.
+    weights_version: int | None = None
 
 
 __all__ = ["Completion", "EngineConfig", "LoraAdapter", "SamplingSpec"]
