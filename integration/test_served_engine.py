@@ -167,6 +167,14 @@ def test_served_engine_handshake_weight_push_and_bitwise(
                 push_weights(url, "not-the-token", weights)
             with pytest.raises(WeightPushError, match=r"HTTP 409: .*corrupted or partial"):
                 push_weights(url, token, weights, fingerprint="0" * 64)
+            with pytest.raises(WeightPushError, match=r"HTTP 409: .*stale weights: version 0"):
+                push_weights(url, token, weights, version=0)  # not newer than the engine's 0
+            first = next(iter(weights))
+            with pytest.raises(WeightPushError, match=r"HTTP 409: .*1 tensor\(s\) missing"):
+                push_weights(url, token, {k: v for k, v in weights.items() if k != first})
+            pad = torch.zeros(5 * 2**20)  # 20 MiB more than the model's set and its header
+            with pytest.raises(WeightPushError, match=r"HTTP 413: .*larger than this model"):
+                push_weights(url, token, {**weights, "pad": pad})
             assert served_status(url, token)[0]["gated_loads"] == 0  # nothing loaded
             # A push while requests are generating: they finish under the weights they started
             # with (their record says version 0), bitwise the checkpoint's trainer.

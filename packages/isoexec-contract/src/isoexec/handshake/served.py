@@ -48,6 +48,8 @@ ADAPTER_ROUTE = "/isoexec/adapter"
 FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
 ADAPTER_NAME_HEADER = "X-IsoExec-Adapter-Name"
 ADAPTER_CONFIG_HEADER = "X-IsoExec-Adapter-Config"  # the adapter's PEFT config, JSON
+# The weights version a push creates (the engine's current + 1); an older one is refused.
+VERSION_HEADER = "X-IsoExec-Weights-Version"
 DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its trainer
 
 
@@ -177,11 +179,14 @@ def push_weights(
     *,
     fingerprint: str | None = None,
     timeout_s: float = 600.0,
+    version: int | None = None,
 ) -> list[str]:
     """Send HF-named `tensors` to a served engine; return each worker's fingerprint of the
     weights it then holds (all equal to the sent one). Raises `WeightPushError` with the
     server's reason when it refuses (wrong token, no MATCH, a fingerprint that does not match
-    the bytes): nothing is loaded then."""
+    the bytes, not the model's tensor set, a body larger than the model, `version` not newer
+    than the engine's): nothing is loaded then. `version`: the weights version this push
+    creates (a trainer that restarted from an old checkpoint cannot push over newer weights)."""
     from safetensors.torch import save
 
     from isoexec.contract.fingerprint import WeightFingerprint
@@ -189,6 +194,8 @@ def push_weights(
     body = save({k: v.contiguous() for k, v in tensors.items()})
     sent = fingerprint or WeightFingerprint.of(tensors).digest
     headers = {FINGERPRINT_HEADER: sent, "Content-Type": "application/octet-stream"}
+    if version is not None:
+        headers[VERSION_HEADER] = str(int(version))
     reply = _request(base_url + WEIGHTS_ROUTE, token, body, headers, timeout_s)
     return [str(f) for f in reply["fingerprints"]]
 
@@ -268,6 +275,7 @@ __all__ = [
     "HANDSHAKE_CONFIG_KEY",
     "SAMPLING_HEADER",
     "STATUS_ROUTE",
+    "VERSION_HEADER",
     "WEIGHTS_ROUTE",
     "SamplingRecord",
     "SamplingRecordError",

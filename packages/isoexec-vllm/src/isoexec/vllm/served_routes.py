@@ -3,14 +3,16 @@ point (`isoexec engine serve` passes it): the weight push and the gate status, a
 with the handshake token, so a served engine needs no dev-mode endpoint.
 
 - `POST WEIGHTS_ROUTE`: body = safetensors bytes of HF-named tensors, header
-  `FINGERPRINT_HEADER` = their fingerprint. The bytes go to a private temporary file on the
-  server's node and every worker loads them with `isoexec_load_weights`: each checks its MATCH
-  and the fingerprint before touching a weight. Generation is paused first (vLLM's
-  `pause_generation(mode="wait")`): requests in flight finish under the old weights, no request
-  starts until the load is done, so no sequence straddles two versions. Then the prefix cache
-  is reset (its KV came from the old weights). Replies
-  `{"fingerprints": [...]}` (per worker, of the weights it then holds); 409 with the workers'
-  reason when refused.
+  `FINGERPRINT_HEADER` = their fingerprint, optionally `VERSION_HEADER` = the version the push
+  creates (409 unless newer than the engine's). A body larger than the model's tensor set
+  (plus its header) is refused with 413 before it is kept. The bytes go to a private
+  temporary file on the server's node and every worker loads them with
+  `isoexec_load_weights`: each checks its MATCH, the tensor set and the fingerprint before
+  touching a weight. Generation is paused first (vLLM's `pause_generation(mode="wait")`):
+  requests in flight finish under the old weights, no request starts until the load is done,
+  so no sequence straddles two versions. Then the prefix cache is reset (its KV came from the
+  old weights). Replies `{"fingerprints": [...]}` (per worker, of the weights it then holds);
+  409 with the workers' reason when refused.
 - `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker], "sampling": the
   sampling gate}`.
 - `POST CANARY_ROUTE`, body `{"weights_version": k, "adapter": name or null}`: the engine
@@ -53,6 +55,7 @@ from isoexec.handshake.served import (
     FINGERPRINT_HEADER,
     SAMPLING_HEADER,
     STATUS_ROUTE,
+    VERSION_HEADER,
     WEIGHTS_ROUTE,
     SamplingRecord,
     ServedHandshake,
@@ -144,10 +147,24 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         return await _adapter(request, engine)
     if request.method != "POST":
         return error(405, f"{WEIGHTS_ROUTE} takes POST")
-    body = await request.body()
+    limit = await _body_limit(engine)
+    body = await _read_at_most(request, limit)
+    if body is None:
+        return error(413, f"the body is larger than this model's weights allow ({limit} bytes: "
+                          "the whole tensor set and its header); nothing loaded")  # fmt: skip
     fingerprint = request.headers.get(FINGERPRINT_HEADER, "").strip()
     if not fingerprint:
         return error(400, f"the {FINGERPRINT_HEADER} header (the weights' fingerprint) is missing")
+    version = request.headers.get(VERSION_HEADER)
+    if version is not None:
+        try:
+            pushed = int(version)
+        except ValueError:
+            return error(400, f"{VERSION_HEADER} {version!r} is not an integer")
+        if pushed <= GATE.weights_version:
+            held = GATE.weights_version
+            return error(409, f"stale weights: version {pushed}, the engine holds version "
+                              f"{held} (a push must be newer); nothing loaded")  # fmt: skip
     # No sequence straddles two weight versions: new requests are refused from here on (503),
     # the ones in flight finish under the weights they started with (their sampling record
     # names that version), and nothing is scheduled until the load is done.
@@ -181,6 +198,32 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     GATE.cleared = False
     GATE.reason = f"new weights (version {GATE.weights_version}) have not passed a canary"
     return JSONResponse({"fingerprints": list(got), "weights_version": GATE.weights_version})
+
+
+_LIMIT: list[int] = []  # the body limit, computed at the first push (the model's size)
+HEADER_SLACK = 16 * 2**20  # a safetensors header: names, shapes, offsets (JSON)
+
+
+async def _body_limit(engine: Any) -> int:
+    if not _LIMIT:
+        sizes = await engine.collective_rpc("isoexec_expected_bytes")
+        _LIMIT.append(int(max(sizes)) + HEADER_SLACK)
+    return _LIMIT[0]
+
+
+async def _read_at_most(request: Any, limit: int) -> bytes | None:
+    """The body, or None when it is larger than `limit` (then drained without being kept: a
+    client that sent too much still reads the answer, and the server holds no more than
+    `limit` bytes)."""
+    declared = request.headers.get("content-length", "")
+    over = declared.isdigit() and int(declared) > limit
+    buf = bytearray()
+    async for chunk in request.stream():
+        if not over and len(buf) + len(chunk) > limit:
+            over, buf = True, bytearray()
+        if not over:
+            buf += chunk
+    return None if over else bytes(buf)
 
 
 async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:

@@ -30,6 +30,17 @@ def expected_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]
     return {name: TensorSpec.of(t) for name, t in weights.items()}
 
 
+def nbytes(expected: Mapping[str, TensorSpec]) -> int:
+    """The bytes of the whole set."""
+    total = 0
+    for spec in expected.values():
+        n = 1
+        for d in spec.shape:
+            n *= d
+        total += n * spec.dtype.itemsize
+    return total
+
+
 def check_transfer(
     received: Mapping[str, torch.Tensor],
     expected: Mapping[str, TensorSpec],
@@ -63,4 +74,4 @@ def check_transfer(
         )
 
 
-__all__ = ["TensorSpec", "check_transfer", "expected_specs"]
+__all__ = ["TensorSpec", "check_transfer", "expected_specs", "nbytes"]

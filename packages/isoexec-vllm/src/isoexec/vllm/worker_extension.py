@@ -137,14 +137,9 @@ class IsoWorkerExtension:
         self, received: dict[str, torch.Tensor], expected_fingerprint: str,
         allow_nonfinite: bool = False,
     ) -> str:  # fmt: skip
-        from isoexec.vllm.weight_check import check_transfer, expected_specs
+        from isoexec.vllm.weight_check import check_transfer
 
-        expected = self.__dict__.get("_isoexec_expected_specs")
-        if expected is None:  # the model's HF-named set, once (shapes and dtypes do not change)
-            hf = self._isoexec_hf_config()
-            expected = expected_specs(dict(hf_named_weights(self.model_runner.model, hf)))
-            self._isoexec_expected_specs = expected
-        check_transfer(received, expected, allow_nonfinite=allow_nonfinite)
+        check_transfer(received, self._isoexec_expected(), allow_nonfinite=allow_nonfinite)
         got = WeightFingerprint.of(received).digest
         if got != expected_fingerprint:
             raise WeightSyncRefusedError(
@@ -156,6 +151,25 @@ class IsoWorkerExtension:
             model.load_weights(iter(received.items()))  # through the gate (`weight_gate`)
         clear_packed_weight_cache()  # the loaders write through `.data`: no version bump
         return self.isoexec_weight_fingerprint()
+
+    def _isoexec_expected(self) -> dict[str, Any]:
+        """The model's HF-named tensor set (name -> shape, dtype), computed once: it does not
+        change while the engine lives."""
+        from isoexec.vllm.weight_check import expected_specs
+
+        expected = self.__dict__.get("_isoexec_expected_specs")
+        if expected is None:
+            hf = self._isoexec_hf_config()
+            expected = expected_specs(dict(hf_named_weights(self.model_runner.model, hf)))
+            self._isoexec_expected_specs = expected
+        return expected
+
+    def isoexec_expected_bytes(self) -> int:
+        """How many bytes the model's whole HF-named tensor set holds (a served push's body
+        cannot need much more)."""
+        from isoexec.vllm.weight_check import nbytes
+
+        return nbytes(self._isoexec_expected())
 
     def isoexec_expect_adapter(self, name: str, fingerprint: str) -> None:
         """Announce LoRA adapter `name` with the trainer's fingerprint of it (after MATCH):
