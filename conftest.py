@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from collections import OrderedDict
@@ -23,6 +24,12 @@ def _exit_on_sigterm(signum: int, frame: object) -> None:
 
 
 signal.signal(signal.SIGTERM, _exit_on_sigterm)
+
+# Under `uv run` (README's test command) Ray's uv hook would start every Ray worker through
+# `uv run` in an uploaded copy of the working directory, building a second environment per
+# node; the test clusters run on this machine with this environment (the `isoexec.ray` probe
+# refuses a node whose runtime differs). Read by Ray at import: set before any test imports it.
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

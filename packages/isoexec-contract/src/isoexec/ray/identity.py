@@ -27,10 +27,12 @@ class RuntimeIdentity:
     def here() -> RuntimeIdentity:
         import torch
 
+        try:  # a worker whose environment lacks IsoExec's metadata (e.g. rebuilt elsewhere)
+            isoexec = metadata.version("isoexec-contract")
+        except metadata.PackageNotFoundError:
+            isoexec = "not installed"
         return RuntimeIdentity(
-            python=platform.python_version(),
-            isoexec=metadata.version("isoexec-contract"),
-            torch=str(torch.__version__),
+            python=platform.python_version(), isoexec=isoexec, torch=str(torch.__version__)
         )
 
 
