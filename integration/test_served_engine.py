@@ -125,7 +125,12 @@ def test_served_engine_handshake_weight_push_and_bitwise(
 
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.handshake.client import HandshakeClient
-    from isoexec.handshake.served import WeightPushError, push_weights, served_status
+    from isoexec.handshake.served import (
+        SamplingRecordError,
+        WeightPushError,
+        push_weights,
+        served_status,
+    )
     from isoexec.handshake.server import HandshakeServer
     from isoexec.megatron import export_hf_weights, score_sampled, train_step, trainer_contract
     from isoexec.megatron.canary import canary_with_served_engine
@@ -184,8 +189,10 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             old_weights = trainer_factory(model, "float32", isoexec=True)  # the checkpoint's
             for prompt, (record, ids, lps) in zip(prompts[:4], streams, strict=True):
                 assert record.weights_version == 0 and len(ids) == STREAM_TOKENS, record
-                (lp,) = score_sampled(old_weights, [prompt + ids], record)
+                (lp,) = score_sampled(old_weights, [prompt + ids], record, weights_version=0)
                 assert torch.equal(lp[-len(ids) :].float(), torch.tensor(lps)), prompt[:3]
+                with pytest.raises(SamplingRecordError, match="sampled under weights version 0"):
+                    score_sampled(trainer, [prompt + ids], record, weights_version=1)
             (status,) = served_status(url, token)
             assert status["gated_loads"] == 1 and status["last_fingerprint"] == sent
             # New weights: sampling waits for their canary (weights version 1).

@@ -23,15 +23,24 @@ def score_sampled(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
     record: SamplingRecord | None,
+    *,
+    weights_version: int | None = None,
     **score_kw: Any,
 ) -> list[torch.Tensor]:
     """`score` at the record's temperature and truncation; refused without a record, when the
-    record's logprobs mode is not the one this model scores, or when its adapter is not the
-    one attached to the model (`attach_lora(..., name=...)`)."""
+    record's logprobs mode is not the one this model scores, when its adapter is not the one
+    attached to the model (`attach_lora(..., name=...)`), or, given `weights_version` (the
+    version this model's weights are on the engine: 0 as loaded, +1 per push), when the
+    sequences were sampled under another version."""
     if not isinstance(record, SamplingRecord):
         raise SamplingRecordError(
             "refusing to score sequences without the record of what they were sampled with "
             "(SamplingRecord.from_header(response.headers[SAMPLING_HEADER]))"
+        )
+    if weights_version is not None and record.weights_version != weights_version:
+        raise SamplingRecordError(
+            f"the sequences were sampled under weights version {record.weights_version}, this "
+            f"model holds version {weights_version}: scoring would compare different weights"
         )
     mode = getattr(model, "isoexec_logprobs_mode", "processed_logprobs")
     if record.logprobs_mode != mode:
