@@ -74,7 +74,6 @@ class HandshakeActor:
         self, expected: dict[str, int], token: str, tls: TLSMaterial | None,
         rendezvous_timeout_s: float = 300.0, insecure: bool = False,
     ) -> None:  # fmt: skip
-        import ray
         from isoexec.handshake.server import HandshakeServer
 
         self.server = HandshakeServer(
@@ -95,8 +94,6 @@ class HandshakeActor:
 
 
 def _node_id() -> str:
-    import ray
-
     return str(ray.get_runtime_context().get_node_id())
 
 
@@ -117,8 +114,6 @@ class TrainerActor:
 
     def endpoint(self) -> tuple[str, int]:
         """This node's address and a free port: rank 0's is the world's rendezvous."""
-        import ray
-
         with socket.socket() as s:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), int(s.getsockname()[1])
@@ -132,8 +127,6 @@ class TrainerActor:
             MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
             WORLD_SIZE=str(self.world), LOCAL_RANK="0",
         )  # fmt: skip
-        import ray
-
         # the GPUs Ray gave this rank (its bundle's), not whatever the node has: a CPU rank on
         # a GPU node stays on the CPU, gloo; a GPU rank uses its GPU, NCCL
         device = "cuda" if ray.get_gpu_ids() else "cpu"

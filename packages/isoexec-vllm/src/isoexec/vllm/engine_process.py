@@ -248,8 +248,9 @@ class _Handler:
                 require_isoexec_extension(config.worker_extension)
             hs = None if config.handshake is None else config.handshake.to_dict()
             ext = config.worker_extension
-            kwargs.update(isoexec_engine_kwargs(config.options, handshake=hs, worker_extension=ext))
-            kwargs["logprobs_mode"] = config.logprobs_mode or config.options.logprobs_mode
+            iso = isoexec_engine_kwargs(config.options, handshake=hs, worker_extension=ext)
+            iso.pop("logprobs_mode")  # set above: the harness's own mode, else the options'
+            kwargs.update(iso)
             # The model's generation_config.json sampling defaults are not applied (the
             # harness states every request's settings; `admission`).
             kwargs["generation_config"] = "vllm"

@@ -8,6 +8,7 @@ every later sample. Each is refused here, before the first write, naming the ten
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -32,13 +33,7 @@ def expected_specs(weights: Mapping[str, torch.Tensor]) -> dict[str, TensorSpec]
 
 def nbytes(expected: Mapping[str, TensorSpec]) -> int:
     """The bytes of the whole set."""
-    total = 0
-    for spec in expected.values():
-        n = 1
-        for d in spec.shape:
-            n *= d
-        total += n * spec.dtype.itemsize
-    return total
+    return sum(math.prod(s.shape) * s.dtype.itemsize for s in expected.values())
 
 
 def check_transfer(
