@@ -8,11 +8,12 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   (plus its header) is refused with 413 before it is kept. The bytes go to a private
   temporary file on the server's node and every worker loads them with
   `isoexec_load_weights`: each checks its MATCH, the tensor set and the fingerprint before
-  touching a weight. Generation is paused first (vLLM's `pause_generation(mode="wait")`):
-  requests in flight finish under the old weights, no request starts until the load is done,
-  so no sequence straddles two versions. Then the prefix cache is reset (its KV came from the
-  old weights). Replies `{"fingerprints": [...]}` (per worker, of the weights it then holds);
-  409 with the workers' reason when refused.
+  touching a weight. No sequence straddles two versions (`weight_versions`): new requests
+  are refused (503) while the requests already admitted finish under the old weights, then
+  vLLM's `pause_generation(mode="wait")`, the load, a prefix-cache reset, resume. Replies
+  `{"fingerprints": [...], "weights_version": k}` (per worker, of the weights it then holds;
+  k = the stated version, else the next); 409 with the workers' reason when refused, 503
+  when the admitted requests did not finish within the drain timeout (nothing loaded).
 - `GET STATUS_ROUTE`: `{"workers": [isoexec_gate_status of each worker], "sampling": the
   sampling gate}`.
 - `POST CANARY_ROUTE`, body `{"weights_version": k, "adapter": name or null}`: the engine
@@ -28,6 +29,10 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   served is refused (push each synced adapter under a new name).
 
 All answer 401 without the token, and 404 on an engine started without handshake settings.
+With handshake settings, vLLM's development routes that write weights or hold the scheduler
+(`VLLM_SERVER_DEV_MODE`: `/collective_rpc`, `/update_weights`, `/pause`, `/sleep`, ...) answer
+403: a load through them would bypass the drain and the weights version, so samples would
+straddle versions or carry a record naming weights they were not sampled under.
 Every completion response (`SAMPLED`) carries the `SamplingRecord` it was sampled with in
 `SAMPLING_HEADER`, with or without handshake settings.
 
@@ -62,6 +67,12 @@ from isoexec.handshake.served import (
     ServedHandshakeError,
 )
 from isoexec.vllm.served_handshake import served_handshake
+from isoexec.vllm.weight_versions import (
+    PrefixCacheResetError,
+    WeightPushBusyError,
+    WeightPushFailedError,
+    WeightVersions,
+)
 
 ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE, ADAPTER_ROUTE)
 # The OpenAI routes whose responses carry the `SamplingRecord` header.
@@ -74,9 +85,13 @@ class SamplingGate:
     """This server's sampling gate (one per API-server process; the launcher allows one)."""
 
     def __init__(self) -> None:
-        self.weights_version = 0
+        self.versions = WeightVersions()
         self.cleared = False
         self.reason = "no canary has MATCHed yet for the weights loaded at start (version 0)"
+
+    @property
+    def weights_version(self) -> int:
+        return self.versions.version
 
     def as_dict(self) -> dict[str, Any]:
         return {"weights_version": self.weights_version, "cleared": self.cleared,
@@ -112,10 +127,17 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         settings, token = _settings(state.vllm_config)
     except ServedHandshakeError as e:
         return error(500, str(e))
+    if token is not None and path in _bypassing_routes(request.app):
+        await request.body()
+        return error(403, f"IsoExec: {path} is a vLLM development route that writes weights or "
+                          "holds the scheduler outside IsoExec's weight versions; push weights "
+                          f"with POST {WEIGHTS_ROUTE}")  # fmt: skip
     if path not in ROUTES:
-        if token is None or GATE.cleared or path in UNGATED:
+        if token is not None and GATE.cleared and path not in UNGATED:
+            return await _admitted(request, call_next)
+        if token is None or path in UNGATED:
             if path in SAMPLED and request.method == "POST":
-                return await _with_sampling_record(request, call_next)
+                return await _with_sampling_record(request, call_next, GATE.weights_version)
             return await call_next(request)
         await request.body()
         from fastapi.responses import JSONResponse
@@ -155,49 +177,52 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
     fingerprint = request.headers.get(FINGERPRINT_HEADER, "").strip()
     if not fingerprint:
         return error(400, f"the {FINGERPRINT_HEADER} header (the weights' fingerprint) is missing")
-    version = request.headers.get(VERSION_HEADER)
-    if version is not None:
-        try:
-            pushed = int(version)
-        except ValueError:
-            return error(400, f"{VERSION_HEADER} {version!r} is not an integer")
-        if pushed <= GATE.weights_version:
-            held = GATE.weights_version
-            return error(409, f"stale weights: version {pushed}, the engine holds version "
-                              f"{held} (a push must be newer); nothing loaded")  # fmt: skip
-    # No sequence straddles two weight versions: new requests are refused from here on (503),
-    # the ones in flight finish under the weights they started with (their sampling record
-    # names that version), and nothing is scheduled until the load is done.
+    stated = request.headers.get(VERSION_HEADER)
+    try:
+        pushed = None if stated is None else int(stated)
+    except ValueError:
+        return error(400, f"{VERSION_HEADER} {stated!r} is not an integer")
+    if pushed is not None and pushed <= GATE.weights_version:
+        held = GATE.weights_version
+        return error(409, f"stale weights: version {pushed}, the engine holds version "
+                          f"{held} (a push must be newer); nothing loaded")  # fmt: skip
+    # No sequence straddles two weight versions (`weight_versions`): new requests are refused
+    # from here on (503), the ones admitted finish under the weights they started with (their
+    # sampling record names that version), then the workers load.
     before = (GATE.cleared, GATE.reason)
     GATE.cleared, GATE.reason = False, "a weight push is in progress"
-    await engine.pause_generation(mode="wait", clear_cache=True)
-    try:
-        with tempfile.TemporaryDirectory(prefix="isoexec-weights-") as tmp:
-            file = Path(tmp) / "weights.safetensors"
-            file.write_bytes(body)
-            try:
-                got = await engine.collective_rpc(
-                    "isoexec_load_weights", args=(str(file), fingerprint)
-                )
-            except Exception as e:  # a worker refused (gate, fingerprint) or failed: nothing
-                GATE.cleared, GATE.reason = before  # loaded, the old weights serve on
-                lines = [ln for ln in str(e).strip().splitlines() if ln.strip()]
-                return error(409, lines[-1] if lines else type(e).__name__)
-        # Cached KV was computed with the old weights: a prefix hit would mix them into new
-        # samples.
-        if not await engine.reset_prefix_cache(reset_running_requests=True):
-            GATE.reason = "new weights loaded, but the prefix cache could not be reset"
-            return error(
-                500,
-                "weights loaded, but the prefix cache could not be reset: samples may reuse KV "
-                "of the old weights (retry when the engine is idle)",
-            )
-    finally:
-        await engine.resume_generation()
-    GATE.weights_version += 1
-    GATE.cleared = False
+    with tempfile.TemporaryDirectory(prefix="isoexec-weights-") as tmp:
+        file = Path(tmp) / "weights.safetensors"
+        file.write_bytes(body)
+        try:
+            got = await GATE.versions.push(engine, str(file), fingerprint, version=pushed)
+        except PrefixCacheResetError as e:  # loaded: the gate stays shut
+            GATE.reason = f"new weights (version {GATE.weights_version}) loaded, but {e}"
+            return error(500, str(e))
+        except (WeightPushFailedError, WeightPushBusyError) as e:  # nothing loaded: the old
+            GATE.cleared, GATE.reason = before  # weights serve on
+            return error(409 if isinstance(e, WeightPushFailedError) else 503, str(e))
     GATE.reason = f"new weights (version {GATE.weights_version}) have not passed a canary"
     return JSONResponse({"fingerprints": list(got), "weights_version": GATE.weights_version})
+
+
+# The modules of vLLM's development routes that write weights or hold the scheduler.
+BYPASSING_MODULES = ("vllm.entrypoints.rl.", "vllm.entrypoints.serve.dev.rpc.",
+                     "vllm.entrypoints.serve.dev.sleep.")  # fmt: skip
+_BYPASSING: dict[int, frozenset[str]] = {}
+
+
+def _bypassing_routes(app: Any) -> frozenset[str]:
+    """The paths of the app's routes defined in `BYPASSING_MODULES` (found by where their
+    handler is defined, so a route vLLM adds there later is refused too)."""
+    key = id(app)
+    if key not in _BYPASSING:
+        _BYPASSING[key] = frozenset(
+            route.path for route in app.routes
+            if getattr(getattr(route, "endpoint", None), "__module__", "").startswith(
+                BYPASSING_MODULES)
+        )  # fmt: skip
+    return _BYPASSING[key]
 
 
 _LIMIT: list[int] = []  # the body limit, computed at the first push (the model's size)
@@ -226,7 +251,45 @@ async def _read_at_most(request: Any, limit: int) -> bytes | None:
     return None if over else bytes(buf)
 
 
-async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
+    """A gated request, counted in until its response's last byte is out (or its client has
+    gone): a weight push waits for every admitted request (`weight_versions`)."""
+    version = GATE.versions.admit()
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            GATE.versions.release()
+
+    try:
+        if request.url.path in SAMPLED and request.method == "POST":
+            response = await _with_sampling_record(request, call_next, version)
+        else:
+            response = await call_next(request)
+    except BaseException:
+        release()
+        raise
+    body = getattr(response, "body_iterator", None)
+    if body is None:
+        release()
+        return response
+
+    async def counted() -> Any:
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            release()
+
+    response.body_iterator = counted()
+    return response
+
+
+async def _with_sampling_record(
+    request: Any, call_next: Callable[[Any], Awaitable[Any]], version: int
+) -> Any:
     """The response, with what its completions were sampled with in `SAMPLING_HEADER`: the
     request's temperature and truncation, each the request's value, else the model's
     generation-config default, else vLLM's neutral value (vLLM's own rule), with the logprobs
@@ -252,7 +315,7 @@ async def _with_sampling_record(request: Any, call_next: Callable[[Any], Awaitab
         if float(effective["temperature"]) < SAMPLING_EPS:  # greedy: vLLM drops truncation
             effective.update(top_k=0, top_p=1.0, min_p=0.0)
         record = SamplingRecord(float(effective["temperature"]), str(model_config.logprobs_mode),
-                                GATE.weights_version, adapter, int(effective["top_k"]),
+                                version, adapter, int(effective["top_k"]),
                                 float(effective["top_p"]), float(effective["min_p"]))  # fmt: skip
     except (TypeError, ValueError):
         return await call_next(request)  # a malformed value: vLLM's own validation answers
@@ -384,7 +447,7 @@ async def _adapter(request: Any, engine: Any) -> Any:
         message = getattr(getattr(loaded, "error", None), "message", None) or str(loaded)
         lines = [ln for ln in message.strip().splitlines() if ln.strip()]
         return _json_error(409, lines[-1] if lines else message)
-    GATE.weights_version += 1
+    GATE.versions.bump()
     GATE.cleared = False
     GATE.reason = (f"adapter {name!r} (weights version {GATE.weights_version}) has not passed "
                    "a canary")  # fmt: skip
