@@ -32,9 +32,11 @@ def served(
     launcher_args: tuple[str, ...] = (),
     vllm_args: tuple[str, ...] = (),
     tokenizer: bool = False,
+    env: dict[str, str] | None = None,
 ) -> Iterator[str]:
     """`isoexec engine serve MODEL ...` in its own session; the base URL once healthy.
-    `tokenizer`: serve the model's tokenizer (else `--skip-tokenizer-init`: token ids only)."""
+    `tokenizer`: serve the model's tokenizer (else `--skip-tokenizer-init`: token ids only);
+    `env`: added to the server's environment."""
     port = _free_port()
     cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "engine", "serve", *launcher_args]
     cmd += ["--stock", model] if stock else [model]  # launcher flags before MODEL
@@ -46,7 +48,10 @@ def served(
             # trainer runs (the handshake would refuse the dtype drift; not wired here yet)
             "--dtype", "float32"]  # fmt: skip
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        environ = {**os.environ, **(env or {})}
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, env=environ, start_new_session=True
+        )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 300

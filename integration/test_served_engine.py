@@ -117,10 +117,12 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     Then one train step, and the trainer pushes its HF-named weights with their
     fingerprint to the server (authenticated with the handshake token): a wrong token and a
     fingerprint that does not match the bytes are refused and load nothing; the real push,
-    sent while four streaming requests are generating, lets them finish under the old weights
-    (bitwise the checkpoint's trainer, their record says version 0) and is then loaded by the
-    worker (its fingerprint is the trainer's), sampling waits for the new weights'
-    canary, and new samples score bitwise against the trained trainer."""
+    sent while 32 streaming requests are generating, lets them finish under the old weights
+    (bitwise the checkpoint's trainer, their record says version 0; a request sent meanwhile
+    is refused with 503) and is then loaded by the worker (its fingerprint is the trainer's),
+    sampling waits for the new weights' canary, and new samples score bitwise against the
+    trained trainer. The server runs in vLLM's development mode, whose routes that would write
+    weights or hold the scheduler past IsoExec's versions are refused (403)."""
     import openai
 
     from isoexec.contract.fingerprint import WeightFingerprint
@@ -145,7 +147,9 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
         args = ("--handshake-address", hs.address, "--handshake-token-file", str(token_file),
                 "--handshake-run-id", "served-run")  # fmt: skip
-        with served(model, stock=False, log=tmp_path / "server.log", launcher_args=args) as url:
+        dev = {"VLLM_SERVER_DEV_MODE": "1"}
+        log = tmp_path / "server.log"
+        with served(model, stock=False, log=log, launcher_args=args, env=dev) as url:
             with HandshakeClient(hs.address, token, timeout_s=120) as client:
                 verdict = client.offer("served-run", "trainer", 0,
                                        trainer_contract(trainer, hf, "float32"))  # fmt: skip
@@ -163,6 +167,9 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             train, eng = _compare(trainer, _sample(url, model, prompts))
             assert train.numel() == len(prompts) * SAMPLES * MAX_TOKENS
             assert torch.equal(train, eng), (train - eng).abs().max()
+            for route in ("/collective_rpc", "/update_weights", "/pause", "/sleep"):
+                status, text = _post(url, route, {"method": "isoexec_load_weights"}, token)
+                assert status == 403 and "outside IsoExec's weight versions" in text, text
 
             opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2)
             train_step(trainer, opt, [p[:40] for p in prompts])
@@ -182,12 +189,17 @@ def test_served_engine_handshake_weight_push_and_bitwise(
                 push_weights(url, token, {**weights, "pad": pad})
             assert served_status(url, token)[0]["gated_loads"] == 0  # nothing loaded
             # A push while requests are generating: they finish under the weights they started
-            # with (their record says version 0), bitwise the checkpoint's trainer.
-            with _streams_in_flight(url, model, prompts[:4]) as streams:
+            # with (their record says version 0), bitwise the checkpoint's trainer; a request
+            # sent while they drain is refused.
+            many = make_prompts(STREAMS, int(hf["vocab_size"]), seed=17)
+            with _streams_in_flight(url, model, many) as streams:
                 assert any(s is None for s in streams)  # still generating when the push lands
-                assert push_weights(url, token, weights) == [sent]
+                with ThreadPoolExecutor(1) as pool:
+                    pushed = pool.submit(push_weights, url, token, weights)
+                    _refused_while_pushing(url, model, prompts[0])
+                    assert pushed.result(timeout=600) == [sent]
             old_weights = trainer_factory(model, "float32", isoexec=True)  # the checkpoint's
-            for prompt, (record, ids, lps) in zip(prompts[:4], streams, strict=True):
+            for prompt, (record, ids, lps) in zip(many, streams, strict=True):
                 assert record.weights_version == 0 and len(ids) == STREAM_TOKENS, record
                 (lp,) = score_sampled(old_weights, [prompt + ids], record, weights_version=0)
                 assert torch.equal(lp[-len(ids) :].float(), torch.tensor(lps)), prompt[:3]
@@ -208,7 +220,40 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     assert "isoexec: engine rank 0: MATCH" in (tmp_path / "server.log").read_text()
 
 
-STREAM_TOKENS = 160  # long enough that the push lands mid-generation (checked)
+STREAMS = 32
+STREAM_TOKENS = 96  # long enough that the push lands mid-generation (checked)
+
+
+def _post(url: str, route: str, body: dict[str, Any], token: str) -> tuple[int, str]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}{route}", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Authorization": f"Bearer {token}",
+                                          "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()
+
+
+def _refused_while_pushing(url: str, model: str, prompt: list[int]) -> None:
+    """Once the push has closed admission, a new completion is refused (503), naming it."""
+    import time
+
+    from openai import APIStatusError, OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:  # admitted before the push began: a one-token request, version 0
+            client.completions.create(model=model, prompt=prompt, max_tokens=1)
+        except APIStatusError as e:
+            assert e.status_code == 503 and "a weight push is in progress" in str(e), e
+            return
+        time.sleep(0.05)
+    raise AssertionError("no request was refused while the push drained")
 
 
 @contextmanager
