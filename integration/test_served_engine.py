@@ -128,6 +128,8 @@ def test_served_engine_handshake_weight_push_and_bitwise(
     from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.handshake.client import HandshakeClient
     from isoexec.handshake.served import (
+        SAMPLING_HEADER,
+        SamplingRecord,
         SamplingRecordError,
         WeightPushError,
         push_weights,
@@ -201,6 +203,7 @@ def test_served_engine_handshake_weight_push_and_bitwise(
             old_weights = trainer_factory(model, "float32", isoexec=True)  # the checkpoint's
             for prompt, (record, ids, lps) in zip(many, streams, strict=True):
                 assert record.weights_version == 0 and len(ids) == STREAM_TOKENS, record
+                assert record.weights_fingerprint is None  # the checkpoint it started from
                 (lp,) = score_sampled(old_weights, [prompt + ids], record, weights_version=0)
                 assert torch.equal(lp[-len(ids) :].float(), torch.tensor(lps)), prompt[:3]
                 with pytest.raises(SamplingRecordError, match="sampled under weights version 0"):
@@ -217,6 +220,10 @@ def test_served_engine_handshake_weight_push_and_bitwise(
 
             train, eng = _compare(trainer, _sample(url, model, prompts))
             assert torch.equal(train, eng), (train - eng).abs().max()
+            raw = openai.OpenAI(base_url=f"{url}/v1", api_key="unused").completions
+            one = raw.with_raw_response.create(model=model, prompt=prompts[0], max_tokens=1)
+            record = SamplingRecord.from_header(one.headers.get(SAMPLING_HEADER))
+            assert (record.weights_version, record.weights_fingerprint) == (1, sent), record
     assert "isoexec: engine rank 0: MATCH" in (tmp_path / "server.log").read_text()
 
 

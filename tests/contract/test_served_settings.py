@@ -85,9 +85,10 @@ def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() 
 
     record = SamplingRecord(0.6, "processed_logprobs", 2)
     assert SamplingRecord.from_header(record.to_header()) == record
-    truncated = SamplingRecord(0.6, "processed_logprobs", 2, None, 20, 0.95, 0.05)
+    truncated = SamplingRecord(0.6, "processed_logprobs", 2, None, 20, 0.95, 0.05, "ab" * 32)
     assert SamplingRecord.from_header(truncated.to_header()) == truncated
-    full = '"weights_version": 0, "adapter": null, "top_p": 1.0, "min_p": 0.0'
+    full = ('"weights_version": 0, "adapter": null, "top_p": 1.0, "min_p": 0.0, '
+            '"weights_fingerprint": null')  # fmt: skip
     bad_headers = [
         None, "", "{", "[]", '{"temperature": 1.0}',
         '{"temperature": "hot", "logprobs_mode": "x", "weights_version": 0}',
@@ -95,6 +96,8 @@ def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() 
         '{"temperature": 1, "logprobs_mode": "x", ' + full + ', "top_k": 2.5}',
         '{"temperature": 1, "logprobs_mode": "x", ' + full + ', "top_k": true}',
         '{"temperature": 1, "logprobs_mode": "x", ' + full + '}',
+        '{"temperature": 1, "logprobs_mode": "x", "top_k": 0, '
+        + full.replace('"weights_fingerprint": null', '"weights_fingerprint": 7') + '}',
     ]  # fmt: skip
     for bad in bad_headers:
         with pytest.raises(SamplingRecordError):

@@ -50,7 +50,9 @@ def test_weight_sync_gate_fingerprints_and_reload(
         prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [11, 12, 13]]
         spec = SamplingSpec(max_tokens=1, prompt_logprobs=True)
         # Run the old weights first: a cache of the old weights must not survive the reload.
-        old_lps = [o.prompt_logprobs for o in eng.generate(prompts, spec)]
+        old = eng.generate(prompts, spec)
+        old_lps = [o.prompt_logprobs for o in old]
+        assert {(o.weights_version, o.weights_fingerprint) for o in old} == {(0, None)}
 
         # 1. Before any handshake: refused, nothing loaded.
         before = eng.call("weight_fingerprint")
@@ -97,8 +99,11 @@ def test_weight_sync_gate_fingerprints_and_reload(
             # 3. Cleared: loads, and the engine's live weights hash to the trainer's export.
             assert eng.call("load_weights", str(new_file), expected) == [expected]
 
-        reloaded = [o.prompt_logprobs for o in eng.generate(prompts, spec)]
+        after = eng.generate(prompts, spec)
+        reloaded = [o.prompt_logprobs for o in after]
         assert reloaded != old_lps
+        # Two gated loads (the NaN one, then this): every completion names what it ran under.
+        assert {(o.weights_version, o.weights_fingerprint) for o in after} == {(2, expected)}
     finally:
         eng.close()
 

@@ -55,7 +55,8 @@ DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its tr
 
 SAMPLING_HEADER = "X-IsoExec-Sampling"
 SAMPLING_FIELDS = (
-    "temperature", "logprobs_mode", "weights_version", "adapter", "top_k", "top_p", "min_p"
+    "temperature", "logprobs_mode", "weights_version", "adapter", "top_k", "top_p", "min_p",
+    "weights_fingerprint",
 )  # fmt: skip
 
 
@@ -68,9 +69,11 @@ class SamplingRecord:
     """What a served completion was sampled with, after the server's defaults: the effective
     temperature and truncation (top-k, top-p, min-p in vLLM's spelling: 0, 1.0, 0.0 are off),
     the engine's logprobs mode, and the weights version it was sampled under (0: as loaded,
-    +1 per push). The server sends it in `SAMPLING_HEADER` of every completion response; the
-    trainer scores with it (`isoexec.megatron.score_sampled`). The other settings need no
-    record: the admission check lets through only those that leave the distribution alone."""
+    +1 per push, or the version the push stated) with those weights' fingerprint (None: the
+    checkpoint the engine started from). The server sends it in `SAMPLING_HEADER` of every
+    completion response; the trainer scores with it (`isoexec.megatron.score_sampled`). The
+    other settings need no record: the admission check lets through only those that leave
+    the distribution alone."""
 
     temperature: float
     logprobs_mode: str
@@ -79,6 +82,7 @@ class SamplingRecord:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    weights_fingerprint: str | None = None
 
     def to_header(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -99,9 +103,12 @@ class SamplingRecord:
                 raise ValueError(f"adapter {adapter!r} is not a name")
             if isinstance(raw["top_k"], bool) or not isinstance(raw["top_k"], int):
                 raise ValueError(f"top_k {raw['top_k']!r} is not an integer")
+            fingerprint = raw["weights_fingerprint"]
+            if fingerprint is not None and not isinstance(fingerprint, str):
+                raise ValueError(f"weights_fingerprint {fingerprint!r} is not a digest")
             record = cls(float(raw["temperature"]), str(raw["logprobs_mode"]),
                          int(raw["weights_version"]), adapter, raw["top_k"],
-                         float(raw["top_p"]), float(raw["min_p"]))  # fmt: skip
+                         float(raw["top_p"]), float(raw["min_p"]), fingerprint)  # fmt: skip
         except (ValueError, TypeError, AttributeError) as e:
             raise SamplingRecordError(f"malformed {SAMPLING_HEADER} header {text!r}: {e}") from None
         return record

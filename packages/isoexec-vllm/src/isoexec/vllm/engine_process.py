@@ -271,6 +271,9 @@ class _Handler:
             kwargs["max_lora_rank"], kwargs["max_loras"] = config.lora
         self.llm = LLM(**kwargs)
         self.isoexec = config.isoexec
+        # `LLM.generate` returns before a load can run, so no completion straddles two versions.
+        self.weights_version = 0
+        self.weights_fingerprint: str | None = None
         self.started = time.time()
 
     def generate(
@@ -318,7 +321,8 @@ class _Handler:
             rows = None
             if any(s.full_vocab for s in specs):
                 rows = [_full_row(step, vocab) for step in comp.logprobs]
-            result.append(Completion(list(prompt), toks, lps, plps, cached, rows))
+            result.append(Completion(list(prompt), toks, lps, plps, cached, rows,
+                                     self.weights_version, self.weights_fingerprint))  # fmt: skip
         return result
 
     def sites(self) -> list[tuple[str, tuple[Any, ...]]]:
@@ -381,8 +385,15 @@ class _Handler:
         fps = self.llm.collective_rpc(
             "isoexec_load_weights", args=(path, expected_fingerprint, allow_nonfinite)
         )
+        return self._loaded(fps)
+
+    def _loaded(self, fingerprints: list[str]) -> list[str]:
+        """A gated load is in: the prefix cache (KV of the old weights) goes, the version
+        goes up."""
         self.llm.reset_prefix_cache()
-        return fps
+        self.weights_version += 1
+        self.weights_fingerprint = str(fingerprints[0])
+        return fingerprints
 
     def stage_weights(self, chunk: dict[str, Any]) -> list[int]:
         """Hand one chunk of HF-named weights to every worker (nothing loaded yet)."""
@@ -391,8 +402,7 @@ class _Handler:
     def commit_weights(self, expected_fingerprint: str) -> list[str]:
         """Every worker verifies and loads what it staged; then the prefix cache is dropped."""
         fps = self.llm.collective_rpc("isoexec_commit_weights", args=(expected_fingerprint,))
-        self.llm.reset_prefix_cache()
-        return fps
+        return self._loaded(fps)
 
     def drop_staged(self) -> list[int]:
         return self.llm.collective_rpc("isoexec_drop_staged")

@@ -92,9 +92,12 @@ class Completion:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     # With `full_vocab`: per sampled token, the whole processed row (-inf: not kept).
     full_logprobs: list[list[float]] | None = None
-    # The weights version it was sampled under, where a driver tracks one (`isoexec.ray`:
-    # 0 as loaded at start, +1 per sync); None where nobody does.
+    # The weights version it was sampled under: 0 as loaded at start, +1 per gated load
+    # (`EngineProcess` counts them; `isoexec.ray` sets the run's own); None where nobody does.
     weights_version: int | None = None
+    # The fingerprint of those weights (the trainer's export of them); None for the checkpoint
+    # the engine started from.
+    weights_fingerprint: str | None = None
 
 
 __all__ = ["Completion", "EngineConfig", "LoraAdapter", "SamplingSpec"]

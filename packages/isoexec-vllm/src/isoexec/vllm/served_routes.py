@@ -137,7 +137,10 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
             return await _admitted(request, call_next)
         if token is None or path in UNGATED:
             if path in SAMPLED and request.method == "POST":
-                return await _with_sampling_record(request, call_next, GATE.weights_version)
+                versions = GATE.versions
+                return await _with_sampling_record(
+                    request, call_next, versions.version, versions.fingerprint
+                )
             return await call_next(request)
         await request.body()
         from fastapi.responses import JSONResponse
@@ -254,7 +257,7 @@ async def _read_at_most(request: Any, limit: int) -> bytes | None:
 async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) -> Any:
     """A gated request, counted in until its response's last byte is out (or its client has
     gone): a weight push waits for every admitted request (`weight_versions`)."""
-    version = GATE.versions.admit()
+    version, fingerprint = GATE.versions.admit(), GATE.versions.fingerprint
     released = False
 
     def release() -> None:
@@ -265,7 +268,7 @@ async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) ->
 
     try:
         if request.url.path in SAMPLED and request.method == "POST":
-            response = await _with_sampling_record(request, call_next, version)
+            response = await _with_sampling_record(request, call_next, version, fingerprint)
         else:
             response = await call_next(request)
     except BaseException:
@@ -288,12 +291,12 @@ async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) ->
 
 
 async def _with_sampling_record(
-    request: Any, call_next: Callable[[Any], Awaitable[Any]], version: int
+    request: Any, call_next: Callable[[Any], Awaitable[Any]], version: int, fingerprint: str | None
 ) -> Any:
     """The response, with what its completions were sampled with in `SAMPLING_HEADER`: the
     request's temperature and truncation, each the request's value, else the model's
     generation-config default, else vLLM's neutral value (vLLM's own rule), with the logprobs
-    mode and the weights version."""
+    mode and the weights version and fingerprint it was admitted under."""
     import json
 
     model_config = request.app.state.vllm_config.model_config
@@ -316,7 +319,8 @@ async def _with_sampling_record(
             effective.update(top_k=0, top_p=1.0, min_p=0.0)
         record = SamplingRecord(float(effective["temperature"]), str(model_config.logprobs_mode),
                                 version, adapter, int(effective["top_k"]),
-                                float(effective["top_p"]), float(effective["min_p"]))  # fmt: skip
+                                float(effective["top_p"]), float(effective["min_p"]),
+                                fingerprint)  # fmt: skip
     except (TypeError, ValueError):
         return await call_next(request)  # a malformed value: vLLM's own validation answers
     response = await call_next(request)
