@@ -8,7 +8,14 @@ weights are exported, fingerprinted and loaded into the engine behind the handsh
 both sides' numeric canaries of the new weights must MATCH before the engine samples again.
 
 With IsoExec the ratio before the update is exactly 1.0 for every token; the stock arm logs
-its spread. Run:  python examples/grpo_toy.py [--arm isoexec|stock] [--steps 8]
+its spread. Run:  python examples/grpo_toy.py [--arm isoexec|stock] [--steps 8] [--async 1]
+
+`--async 1` is off-by-one asynchronous RL (as AReaL, SkyRL's async trainer, slime): the engine
+samples batch k+1 while the trainer steps on batch k, so batch k+1 was sampled under weights
+one version older than the trainer's. Every completion names its weights version; the trainer
+scores it under that version's weights (kept until no batch needs them) and logs how far the
+engine's logprobs are from that (exactly 0 with IsoExec), then the importance ratio
+π_θ/π_behaviour against them (exact, because the behaviour logprobs are) and the staleness.
 """
 
 from __future__ import annotations
@@ -57,10 +64,13 @@ class GRPORun:
     max_tokens: int = 8
     lr: float = 2e-2
     seed: int = 1  # the engine's sampling seed
+    asynchronous: int = 0  # 1: sample batch k+1 while the trainer steps on batch k
 
     def __post_init__(self) -> None:
         if self.arm not in ("isoexec", "stock"):
             raise ValueError(f"arm {self.arm!r}: 'isoexec' or 'stock'")
+        if self.asynchronous not in (0, 1):
+            raise ValueError(f"asynchronous {self.asynchronous}: 0 (in step) or 1 (off by one)")
         if min(self.steps, self.prompts, self.group, self.max_tokens) < 1:
             raise ValueError("steps, prompts, group and max_tokens must be at least 1")
 
@@ -74,8 +84,12 @@ class StepLog:
     step: int
     mean_reward: float
     tokens: int
-    ratio_max_dev: float  # max |π_train/π_rollout - 1| before the update
+    ratio_max_dev: float  # max |π_θ/π_behaviour - 1| before the update
     ratio_exactly_one: bool
+    staleness: int = 0  # trainer's weights version minus the one the batch was sampled under
+    behaviour_version: int = 0
+    # max |engine logprob - trainer's scoring under the behaviour version's weights|
+    behaviour_max_diff: float = 0.0
 
 
 def reward(tokens: list[int], vocab: int) -> float:
@@ -108,26 +122,42 @@ def run(settings: GRPORun) -> list[StepLog]:
                 assert all(v["outcome"] == "MATCH" for v in evs), evs
                 _canary(model, engine, server.address, token, version=0)
             sampling = SamplingSpec(max_tokens=settings.max_tokens, temperature=1.0)
+            batch = [p for p in base for _ in range(group)]
+            held = {0: _snapshot(model)}  # weights per version, while a batch may need them
+            scorer = _Scorer(str(model_dir), isoexec)
+            ahead = _Ahead(engine, batch, sampling)  # batch 0, under version 0
             for step in range(settings.steps):
-                batch = [p for p in base for _ in range(group)]
-                comps = engine.generate(batch, sampling)
+                comps, behaviour = ahead.result()
+                if isoexec:  # the engine counts its gated loads: it agrees on the version
+                    assert {c.weights_version for c in comps} == {behaviour}, behaviour
+                if settings.asynchronous and step + 1 < settings.steps:
+                    ahead = _Ahead(engine, batch, sampling, version=step)  # engine's weights
                 rewards = torch.tensor([reward(c.token_ids, vocab) for c in comps])
                 grouped = rewards.view(prompts, group)
                 adv = (
                     (grouped - grouped.mean(1, keepdim=True))
                     / (grouped.std(1, keepdim=True) + 1e-6)
                 ).view(-1)
+                seqs = [c.prompt_token_ids + c.token_ids for c in comps]
+                old = torch.cat([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps])
+                # The trainer's scoring under the weights the batch was sampled with.
+                scored = scorer.score(held[behaviour], comps)
                 model.train()
                 opt.zero_grad(set_to_none=True)
-                lps = policy_logprobs(model, [c.prompt_token_ids + c.token_ids for c in comps])
+                lps = policy_logprobs(model, seqs)
                 new = torch.cat([lp[-len(c.token_ids) :] for lp, c in zip(lps, comps, strict=True)])
-                old = torch.cat([torch.tensor(c.logprobs, dtype=torch.float32) for c in comps])
                 a = per_token(adv.tolist(), [len(c.token_ids) for c in comps])
                 pl = clipped_policy_loss(new, old, a, CLIP)
                 dev, loss = pl.ratio_dev_max, pl.loss
                 policy_step(model, opt, loss)
-                logs.append(StepLog(step, float(rewards.mean()), int(new.numel()), dev, dev == 0.0))
+                held[step + 1] = _snapshot(model)
+                held.pop(behaviour - 1, None)
+                logs.append(StepLog(step, float(rewards.mean()), int(new.numel()), dev, dev == 0.0,
+                                    step - behaviour, behaviour,
+                                    float((scored - old).abs().max())))  # fmt: skip
                 print(json.dumps(asdict(logs[-1])), flush=True)
+                if settings.asynchronous and step + 1 < settings.steps:
+                    ahead.wait()  # the engine finishes batch k+1 before it takes new weights
                 # weight sync: export, fingerprint, load behind the gate (stock arm: no gate)
                 path = out / f"step{step}.safetensors"
                 save_hf_safetensors(model, path)
@@ -140,10 +170,60 @@ def run(settings: GRPORun) -> list[StepLog]:
                     engine = EngineProcess(
                         EngineConfig(model=str(_checkpoint(model_dir, path)), seed=settings.seed)
                     )
+                if not settings.asynchronous and step + 1 < settings.steps:
+                    ahead = _Ahead(engine, batch, sampling, version=step + 1)
         finally:
             if engine is not None:
                 engine.close()
     return logs
+
+
+class _Ahead:
+    """One batch sampled in a background thread (the engine's own process does the work), and
+    the weights version the engine held for it."""
+
+    def __init__(self, engine: Any, batch: list[list[int]], sampling: Any, version: int = 0):
+        self.version = version
+        self._got: dict[str, Any] = {}
+        self._thread = threading.Thread(
+            target=self._run, args=(engine, batch, sampling), daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, engine: Any, batch: list[list[int]], sampling: Any) -> None:
+        try:
+            self._got["comps"] = engine.generate(batch, sampling)
+        except Exception as e:  # re-raised by wait(), in the loop's thread
+            self._got["error"] = e
+
+    def wait(self) -> None:
+        self._thread.join()
+        if "error" in self._got:
+            raise self._got["error"]
+
+    def result(self) -> tuple[list[Any], int]:
+        self.wait()
+        return self._got["comps"], self.version
+
+
+def _snapshot(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+class _Scorer:
+    """A second model for the trainer's scoring of a batch under the weights it was sampled
+    with (older than the trainer's by the staleness)."""
+
+    def __init__(self, model_dir: str, isoexec: bool) -> None:
+        self.model = build_model(model_dir, isoexec=isoexec)
+
+    @torch.no_grad()
+    def score(self, weights: dict[str, torch.Tensor], comps: list[Any]) -> torch.Tensor:
+        for n, p in self.model.named_parameters():
+            p.copy_(weights[n])
+        self.model.train()  # as the policy's own scoring
+        lps = policy_logprobs(self.model, [c.prompt_token_ids + c.token_ids for c in comps])
+        return torch.cat([lp[-len(c.token_ids) :] for lp, c in zip(lps, comps, strict=True)])
 
 
 def _both(trainer: Callable[[], Any], engine: Callable[[], Any]) -> tuple[Any, Any]:
@@ -190,10 +270,12 @@ def main() -> None:
     ap.add_argument("--arm", choices=("isoexec", "stock"), default="isoexec")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--async", dest="asynchronous", type=int, choices=(0, 1), default=0,
+                    help="1: sample batch k+1 while the trainer steps on batch k")  # fmt: skip
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="grpo-"))
     out.mkdir(parents=True, exist_ok=True)
-    logs = run(GRPORun(arm=args.arm, steps=args.steps, out=out))
+    logs = run(GRPORun(arm=args.arm, steps=args.steps, out=out, asynchronous=args.asynchronous))
     (out / "grpo_log.json").write_text(json.dumps([asdict(x) for x in logs], indent=2))
 
 
