@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+PIDS: dict[str, int] = {}  # base URL -> the server's pid (= its process group) while it serves
 
 
 def _free_port() -> int:
@@ -67,8 +68,10 @@ def served(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"server not healthy in 300 s:\n{log.read_text()[-4000:]}")
             time.sleep(1)
+        PIDS[url] = proc.pid
         yield url
     finally:
+        PIDS.pop(f"http://127.0.0.1:{port}", None)
         for sig, wait in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
             try:
                 os.killpg(proc.pid, sig)

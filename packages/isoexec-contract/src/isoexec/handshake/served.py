@@ -12,6 +12,9 @@ dev-mode endpoints.
   its MATCH (the weight gate) before loading, between engine steps. `served_status` reads each
   worker's gate state. The routes are served by `isoexec.vllm.served_routes` (vLLM's
   `--middleware` extension point).
+- **Offer again.** `served_reoffer` makes every worker offer its contract again (the service
+  was restarted and forgot the run, or the trainer re-offered a changed contract): the
+  engine's weights stay cleared only on the new MATCH.
 - **Canary before sampling.** An engine started with handshake settings samples only once a
   canary (`isoexec.contract.canary`) of the weights it holds has MATCHed: at start-up and after
   every push. `served_canary` asks the engine to score and offer its canary for a weights
@@ -45,6 +48,7 @@ WEIGHTS_ROUTE = "/isoexec/weights"
 STATUS_ROUTE = "/isoexec/status"
 CANARY_ROUTE = "/isoexec/canary"
 ADAPTER_ROUTE = "/isoexec/adapter"
+OFFER_ROUTE = "/isoexec/offer"
 FINGERPRINT_HEADER = "X-IsoExec-Weight-Fingerprint"
 ADAPTER_NAME_HEADER = "X-IsoExec-Adapter-Name"
 ADAPTER_CONFIG_HEADER = "X-IsoExec-Adapter-Config"  # the adapter's PEFT config, JSON
@@ -245,6 +249,14 @@ def served_canary(
     body = json.dumps({"weights_version": int(weights_version), "adapter": adapter}).encode()
     headers = {"Content-Type": "application/json"}
     return _request(base_url + CANARY_ROUTE, token, body, headers, timeout_s)
+
+
+def served_reoffer(base_url: str, token: str, timeout_s: float = 600.0) -> list[dict[str, Any]]:
+    """Every worker of a served engine offers its contract again to the service it was started
+    with (the trainer offers its own concurrently); each worker's verdict (`outcome`, `hash`,
+    `summary`, `diff`). Without MATCH the engine is refused weights and samples nothing."""
+    reply = _request(base_url + OFFER_ROUTE, token, b"{}", {}, timeout_s)
+    return list(reply["verdicts"])
 
 
 def served_status(base_url: str, token: str, timeout_s: float = 60.0) -> list[dict[str, Any]]:

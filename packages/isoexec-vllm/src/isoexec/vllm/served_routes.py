@@ -28,6 +28,10 @@ with the handshake token, so a served engine needs no dev-mode endpoint.
   sampling waits for a canary under it. 409 with the reason when refused; a name already
   served is refused (push each synced adapter under a new name).
 
+- `POST OFFER_ROUTE`: every worker offers its contract again to the service the engine was
+  started with (after the service restarted and forgot the run); replies `{"verdicts":
+  [...]}`. Without MATCH on every worker the sampling gate shuts, naming the verdict.
+
 All answer 401 without the token, and 404 on an engine started without handshake settings.
 With handshake settings, vLLM's development routes that write weights or hold the scheduler
 (`VLLM_SERVER_DEV_MODE`: `/collective_rpc`, `/update_weights`, `/pause`, `/sleep`, ...) answer
@@ -58,6 +62,7 @@ from isoexec.handshake.served import (
     ADAPTER_ROUTE,
     CANARY_ROUTE,
     FINGERPRINT_HEADER,
+    OFFER_ROUTE,
     SAMPLING_HEADER,
     STATUS_ROUTE,
     VERSION_HEADER,
@@ -74,7 +79,7 @@ from isoexec.vllm.weight_versions import (
     WeightVersions,
 )
 
-ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE, ADAPTER_ROUTE)
+ROUTES = (WEIGHTS_ROUTE, STATUS_ROUTE, CANARY_ROUTE, ADAPTER_ROUTE, OFFER_ROUTE)
 # The OpenAI routes whose responses carry the `SamplingRecord` header.
 SAMPLED = ("/v1/completions", "/v1/chat/completions")
 # Paths that compute no sample: served before the canary passes.
@@ -170,10 +175,18 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         return await _canary(request, engine, settings, token)
     if path == ADAPTER_ROUTE:
         return await _adapter(request, engine)
+    if path == OFFER_ROUTE:
+        assert settings is not None
+        return await _reoffer(request, engine, settings, token)
     if request.method != "POST":
         return error(405, f"{WEIGHTS_ROUTE} takes POST")
+    from starlette.requests import ClientDisconnect
+
     limit = await _body_limit(engine)
-    body = await _read_at_most(request, limit)
+    try:
+        body = await _read_at_most(request, limit)
+    except ClientDisconnect:  # a push cut off mid-body: nothing was kept
+        return error(400, "the body ended early (the client went away); nothing loaded")
     if body is None:
         return error(413, f"the body is larger than this model's weights allow ({limit} bytes: "
                           "the whole tensor set and its header); nothing loaded")  # fmt: skip
@@ -395,6 +408,32 @@ async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: s
     print(f"isoexec: {verdict['summary']} (engine scored it in {scored * 1e3:.0f} ms)",
           flush=True)  # fmt: skip
     return JSONResponse(verdict)
+
+
+OFFER_TIMEOUT_S = 300.0  # the trainer offers too; the engine's steps wait meanwhile
+
+
+async def _reoffer(request: Any, engine: Any, settings: ServedHandshake, token: str) -> Any:
+    """Every worker offers its contract again; the sampling gate stays open only on MATCH."""
+    from fastapi.responses import JSONResponse
+
+    if request.method != "POST":
+        return _json_error(405, f"{OFFER_ROUTE} takes POST")
+    await request.body()
+    tls = settings.client_tls()
+    tls_fields = None if tls is None else {"ca": tls.ca, "cert": tls.cert, "key": tls.key}
+    try:
+        verdicts = await engine.collective_rpc(
+            "isoexec_handshake",
+            args=(settings.address, token, settings.run_id, OFFER_TIMEOUT_S, tls_fields),
+        )
+    except Exception as e:  # the service unreachable or the round timed out: no clearance
+        GATE.cleared, GATE.reason = False, f"the contract could not be offered again: {e}"
+        return _json_error(502, GATE.reason)
+    if not all(v["outcome"] == "MATCH" for v in verdicts):
+        GATE.cleared = False
+        GATE.reason = next(v["summary"] for v in verdicts if v["outcome"] != "MATCH")
+    return JSONResponse({"verdicts": verdicts})
 
 
 def _serving_models(request: Any) -> Any:

@@ -1,0 +1,135 @@
+"""The soak's faults (`soak.py`): each injects one fault into a running `Soak`, drives the
+recovery the run must end in, and returns what was observed. One function per kind in
+`soak.FAULTS`; a recovery that does not happen raises, and the soak fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from _served import PIDS, wait_cleared
+
+if TYPE_CHECKING:
+    from soak import Soak
+
+
+def engine_sigkill(soak: Soak, step: int) -> str:
+    import openai
+
+    os.killpg(PIDS[soak.url], signal.SIGKILL)
+    assert soak.engine_stack is not None
+    soak.engine_stack.close()
+    soak.restarts += 1
+    soak.start_engine()  # offers at load: the trainer's offer stands, MATCH at once
+    (status,) = wait_cleared(soak.url, soak.token)
+    if status["last_verdict"] != "MATCH":
+        raise RuntimeError(f"restarted engine: {status}")
+    try:
+        soak._complete([soak.pool[0]], 1)
+        raise RuntimeError("a restarted engine sampled before its canary")
+    except openai.APIStatusError as e:
+        if e.status_code != 503:
+            raise
+    soak.push_and_canary()  # the current weights, at the current version
+    return f"restarted (server {soak.restarts}); refused samples until push + canary"
+
+
+def handshake_restart(soak: Soak, step: int) -> str:
+    from isoexec.handshake.served import WeightPushError, push_weights, served_reoffer
+    from isoexec.megatron import export_hf_weights
+
+    soak.hs.stop(grace=0)
+    soak.start_service(soak.port)
+    weights = dict(export_hf_weights(soak.trainer))
+    try:  # the new service knows no MATCH: the engine's gate refuses
+        push_weights(soak.url, soak.token, weights, version=soak.version + 1, timeout_s=120)
+        raise RuntimeError("a push went through a service that knows no MATCH")
+    except WeightPushError as e:
+        if "HTTP 409" not in str(e):
+            raise
+    got: dict[str, Any] = {}
+    reoffer = threading.Thread(
+        target=lambda: got.update(v=served_reoffer(soak.url, soak.token, timeout_s=300))
+    )
+    reoffer.start()
+    soak.offer_trainer()
+    reoffer.join(300)
+    if [v["outcome"] for v in got.get("v", [])] != ["MATCH"]:
+        raise RuntimeError(f"engine re-offer: {got}")
+    return "push refused (409, no MATCH) until both sides offered again; MATCH"
+
+
+def push_truncated(soak: Soak, step: int) -> str:
+    from safetensors.torch import save
+
+    from isoexec.contract.fingerprint import WeightFingerprint
+    from isoexec.handshake.served import WEIGHTS_ROUTE, served_status
+    from isoexec.megatron import export_hf_weights
+
+    before = served_status(soak.url, soak.token)[0]["gated_loads"]
+    weights = dict(export_hf_weights(soak.trainer))
+    body = save({k: v.contiguous() for k, v in weights.items()})
+    host, port = soak.url.removeprefix("http://").split(":")
+    head = (
+        f"POST {WEIGHTS_ROUTE} HTTP/1.1\r\nHost: {host}\r\n"
+        f"Authorization: Bearer {soak.token}\r\n"
+        f"X-IsoExec-Fingerprint: {WeightFingerprint.of(weights).digest}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(head.encode() + body[: len(body) // 2])
+    time.sleep(1.0)
+    after = served_status(soak.url, soak.token)[0]["gated_loads"]
+    if after != before:
+        raise RuntimeError(f"a truncated push loaded weights ({before} -> {after} loads)")
+    return f"cut at {len(body) // 2} of {len(body)} bytes; nothing loaded"
+
+
+def trainer_restart(soak: Soak, step: int) -> str:
+    held = soak.version
+    resumed = soak.resume_trainer()
+    soak.offer_trainer()
+    if resumed != held:
+        raise RuntimeError(f"resumed version {resumed}, the run was at {held}")
+    return f"rebuilt from its checkpoint at version {resumed}; offered again, MATCH"
+
+
+def client_disconnect(soak: Soak, step: int) -> str:
+    stream = soak._client().completions.create(
+        model=soak.model, prompt=soak.pool[1], max_tokens=200, temperature=1.0, stream=True
+    )
+    next(iter(stream))
+    stream.close()  # the client goes away mid-stream
+    return "stream closed after its first chunk; the next push drained without it"
+
+
+def malformed_request(soak: Soak, step: int) -> str:
+    import urllib.error
+    import urllib.request
+
+    bodies = [
+        b"{not json",
+        json.dumps({"model": soak.model, "prompt": [1, 2], "max_tokens": -1}).encode(),
+        json.dumps({"model": soak.model, "prompt": [1, 2], "temperature": "hot"}).encode(),
+    ]
+    codes = []
+    for body in bodies:
+        req = urllib.request.Request(
+            f"{soak.url}/v1/completions",
+            data=body,
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                codes.append(r.status)
+        except urllib.error.HTTPError as e:
+            codes.append(e.code)
+    if not all(400 <= c < 500 for c in codes):
+        raise RuntimeError(f"malformed requests answered {codes}")
+    return f"answered {codes}; the engine serves on"
