@@ -89,6 +89,7 @@ def _interpreted(*args: str, out: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.matrix  # 200 s under the interpreter: run it before a GPU session (README)
 def test_dry_run_under_the_interpreter(wheels: Path, tmp_path: Path) -> None:
     proc = _interpreted(
         str(SCRIPT), "--device", "cpu", "--dry-run", "--scale", "1",
