@@ -40,16 +40,14 @@ def engine_sigkill(soak: Soak, step: int) -> str:
 
 
 def handshake_restart(soak: Soak, step: int) -> str:
-    from isoexec.handshake.served import WeightPushError, push_weights, served_reoffer
-    from isoexec.megatron import export_hf_weights
+    from isoexec.handshake.served import served_reoffer
 
     soak.hs.stop(grace=0)
     soak.start_service(soak.port)
-    weights = dict(export_hf_weights(soak.trainer))
     try:  # the new service knows no MATCH: the engine's gate refuses
-        push_weights(soak.url, soak.token, weights, version=soak.version + 1, timeout_s=120)
-        raise RuntimeError("a push went through a service that knows no MATCH")
-    except WeightPushError as e:
+        soak.call("push", soak.url, soak.version + 1)
+        raise AssertionError("a push went through a service that knows no MATCH")
+    except RuntimeError as e:
         if "HTTP 409" not in str(e):
             raise
     got: dict[str, Any] = {}
@@ -57,7 +55,7 @@ def handshake_restart(soak: Soak, step: int) -> str:
         target=lambda: got.update(v=served_reoffer(soak.url, soak.token, timeout_s=300))
     )
     reoffer.start()
-    soak.offer_trainer()
+    soak.call("offer")
     reoffer.join(300)
     if [v["outcome"] for v in got.get("v", [])] != ["MATCH"]:
         raise RuntimeError(f"engine re-offer: {got}")
@@ -65,20 +63,15 @@ def handshake_restart(soak: Soak, step: int) -> str:
 
 
 def push_truncated(soak: Soak, step: int) -> str:
-    from safetensors.torch import save
-
-    from isoexec.contract.fingerprint import WeightFingerprint
     from isoexec.handshake.served import WEIGHTS_ROUTE, served_status
-    from isoexec.megatron import export_hf_weights
 
     before = served_status(soak.url, soak.token)[0]["gated_loads"]
-    weights = dict(export_hf_weights(soak.trainer))
-    body = save({k: v.contiguous() for k, v in weights.items()})
+    body, fingerprint = soak.call("weights")
     host, port = soak.url.removeprefix("http://").split(":")
     head = (
         f"POST {WEIGHTS_ROUTE} HTTP/1.1\r\nHost: {host}\r\n"
         f"Authorization: Bearer {soak.token}\r\n"
-        f"X-IsoExec-Fingerprint: {WeightFingerprint.of(weights).digest}\r\n"
+        f"X-IsoExec-Fingerprint: {fingerprint}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     with socket.create_connection((host, int(port))) as sock:
@@ -91,12 +84,16 @@ def push_truncated(soak: Soak, step: int) -> str:
 
 
 def trainer_restart(soak: Soak, step: int) -> str:
-    held = soak.version
-    resumed = soak.resume_trainer()
-    soak.offer_trainer()
+    assert soak.trainer is not None
+    held, killed = soak.version, soak.trainer.pid
+    soak.trainer.kill()  # SIGKILL: nothing flushed, nothing said goodbye
+    soak.trainer = soak.spares.pop()
+    resumed = soak.call("resume")
+    soak.call("offer")
     if resumed != held:
         raise RuntimeError(f"resumed version {resumed}, the run was at {held}")
-    return f"rebuilt from its checkpoint at version {resumed}; offered again, MATCH"
+    return (f"pid {killed} SIGKILLed; trainer pid {soak.trainer.pid} resumed from the last "
+            f"checkpoint at version {resumed} and offered again: MATCH")  # fmt: skip
 
 
 def client_disconnect(soak: Soak, step: int) -> str:

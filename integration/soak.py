@@ -16,9 +16,8 @@ file descriptors are recorded. The faults, and the recovery each must end in:
 - `handshake_restart`: the service is stopped and a new one starts on its port (it remembers
   nothing); the next push is refused (no MATCH), both sides offer again, the push goes through;
 - `push_truncated`: a push whose connection is cut mid-body: refused, nothing loaded;
-- `trainer_restart`: the trainer's model and optimizer are dropped and rebuilt from its last
-  checkpoint (in this process: the soak's trainer shares the driver's process), and it offers
-  its contract again;
+- `trainer_restart`: the trainer process (`_soak_trainer.py`) is SIGKILLed; a new one resumes
+  from its last checkpoint (weights, optimizer, weights version) and offers its contract again;
 - `client_disconnect`: a streaming client goes away after its first chunk: the engine frees
   the request (the next push, which drains admitted requests, would hang otherwise);
 - `malformed_request`: broken JSON and invalid fields: 400, the engine serves on.
@@ -42,8 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from _served import PIDS, served, wait_cleared
+from _soak_trainer import TrainerProcess
 
 FAULTS = (
     "engine_sigkill",
@@ -112,15 +111,16 @@ def _group_usage(pgid: int) -> tuple[int, int]:
 class Soak:
     """One soak run's state: the service, the engine, the trainer, the background clients."""
 
-    def __init__(self, config: SoakConfig, model: str, trainer_factory: Any) -> None:
-        self.config, self.model, self.build = config, model, trainer_factory
+    def __init__(self, config: SoakConfig, model: str) -> None:
+        self.config, self.model = config, model
         self.hf = json.loads((Path(model) / "config.json").read_text())
         self.out = config.out
         self.token = secrets.token_hex(16)
         (self.out / "token").write_text(self.token)
         self.report = SoakReport()
         self.version = 0
-        self.stack = ExitStack()
+        self.trainer: TrainerProcess | None = None
+        self.spares: list[TrainerProcess] = []
         self.engine_stack: ExitStack | None = None
         self.restarts = 0
         self.stop = threading.Event()
@@ -162,52 +162,21 @@ class Soak:
             served(self.model, stock=False, log=log, launcher_args=args)
         )
 
-    def offer_trainer(self) -> None:
-        from isoexec.handshake.client import HandshakeClient
-        from isoexec.megatron import trainer_contract
+    def start_trainers(self, spares: int) -> None:
+        """The trainer process, and `spares` built replacements for the ones a fault kills
+        (`_soak_trainer`: why they start now)."""
+        made = [TrainerProcess(self.model, self.out, self.address, self.token)
+                for _ in range(1 + spares)]  # fmt: skip
+        self.trainer, self.spares = made[0], made[1:]
+        for t in made:
+            t.call("ready")
 
-        with HandshakeClient(self.address, self.token, timeout_s=300) as client:
-            verdict = client.offer(
-                RUN_ID, "trainer", 0, trainer_contract(self.trainer, self.hf, "float32")
-            )
-        if not verdict.matched:
-            raise RuntimeError(f"trainer offer: {verdict.summary}")
-
-    def build_trainer(self) -> None:
-        self.trainer = self.build(self.model, "float32", isoexec=True, fresh=True)
-        self.opt = torch.optim.AdamW(self.trainer.parameters(), lr=1e-2)
-
-    def checkpoint(self) -> None:
-        state = {
-            "params": {n: p.detach().clone() for n, p in self.trainer.named_parameters()},
-            "opt": self.opt.state_dict(),
-            "version": self.version,
-        }
-        torch.save(state, self.out / "trainer.pt.tmp")
-        os.replace(self.out / "trainer.pt.tmp", self.out / "trainer.pt")
-
-    def resume_trainer(self) -> int:
-        del self.trainer, self.opt
-        state = torch.load(self.out / "trainer.pt", weights_only=False)
-        self.build_trainer()
-        with torch.no_grad():
-            for n, p in self.trainer.named_parameters():
-                p.copy_(state["params"][n])
-        self.opt.load_state_dict(state["opt"])
-        return int(state["version"])
+    def call(self, method: str, *args: Any) -> Any:
+        assert self.trainer is not None
+        return self.trainer.call(method, *args)
 
     def push_and_canary(self) -> None:
-        from isoexec.handshake.served import push_weights
-        from isoexec.megatron import export_hf_weights
-        from isoexec.megatron.canary import canary_with_served_engine
-
-        weights = dict(export_hf_weights(self.trainer))
-        push_weights(self.url, self.token, weights, version=self.version, timeout_s=120)
-        t, e = canary_with_served_engine(
-            self.trainer, self.url, self.address, self.token, RUN_ID, self.version, timeout_s=120
-        )
-        if not (t.matched and e["matched"]):
-            raise RuntimeError(f"canary of version {self.version}: {e['summary']}")
+        self.call("push_and_canary", self.url)
 
     # -- sampling and scoring --
 
@@ -248,18 +217,6 @@ class Soak:
                     raise
                 time.sleep(0.2)
 
-    def deviation(self, record: Any, seqs: list[tuple[list[int], list[int], list[float]]]) -> float:
-        """max |trainer - engine| over the sampled tokens, scored under the record's version."""
-        from isoexec.megatron import score_sampled
-
-        full = [p + ids for p, ids, _ in seqs]
-        scored = score_sampled(self.trainer, full, record, weights_version=self.version)
-        diffs = [
-            (lp[-len(ids) :].float() - torch.tensor(lps)).abs().max()
-            for lp, (_, ids, lps) in zip(scored, seqs, strict=True)
-        ]
-        return float(torch.stack(diffs).max())
-
     def load_worker(self, seed: int) -> None:
         from openai import APIStatusError
 
@@ -284,9 +241,6 @@ class Soak:
     def score_load(self) -> None:
         """The background completions so far: bitwise when of the current version, refused by
         `score_sampled` when not."""
-        from isoexec.handshake.served import SamplingRecordError
-        from isoexec.megatron import score_sampled
-
         with self.lock:
             taken, self.loaded = self.loaded, []
         groups: dict[Any, list[tuple[list[int], list[int], list[float]]]] = {}
@@ -294,17 +248,14 @@ class Soak:
             groups.setdefault(record, []).append(tuple(seq))  # type: ignore[arg-type]
         for record, seqs in groups.items():
             if record.weights_version == self.version:
-                dev = self.deviation(record, seqs)  # one batch per record
+                dev = self.call("deviation", record, seqs)  # one batch per record
                 if dev != 0.0:
                     self.report.problems.append(f"background completions differ by {dev}")
                 self.counts["scored_bitwise"] += len(seqs)
-                continue
-            try:
-                score_sampled(self.trainer, [p + ids for p, ids, _ in seqs], record,
-                              weights_version=self.version)  # fmt: skip
-                self.report.problems.append("completions of another version were scored")
-            except SamplingRecordError:
+            elif self.call("refuses", record, [p + ids for p, ids, _ in seqs]):
                 self.counts["other_version_refused"] += len(seqs)
+            else:
+                self.report.problems.append("completions of another version were scored")
 
     def inject(self, kind: str, step: int) -> str:
         """Inject `kind`, drive the recovery, and say what was observed (`_soak_faults`)."""
@@ -317,7 +268,8 @@ class Soak:
     def usage(self, step: int) -> None:
         import psutil
 
-        me = psutil.Process()
+        assert self.trainer is not None
+        me = psutil.Process(self.trainer.pid)
         rss, fds = _group_usage(PIDS[self.url])
         self.report.resources.append(
             {
@@ -333,17 +285,15 @@ class Soak:
     def run(self) -> SoakReport:
         config, plan = self.config, fault_plan(self.config)
         rng = random.Random(config.seed + 2)
-        self.build_trainer()
         self.start_service()
         threads: list[threading.Thread] = []
-        from isoexec.megatron import train_step
-
         try:
+            self.start_trainers(sum(k == "trainer_restart" for k in plan.values()))
             self.start_engine()
-            self.offer_trainer()
+            self.call("offer")
             wait_cleared(self.url, self.token)
-            self.push_and_canary_start()
-            self.checkpoint()
+            self.call("canary", self.url, 0)  # the checkpoint both loaded: sampling opens
+            self.call("checkpoint")
             threads = [
                 threading.Thread(target=self.load_worker, args=(config.seed + 10 + i,), daemon=True)
                 for i in range(config.load_threads)
@@ -366,14 +316,13 @@ class Soak:
                 t0 = time.monotonic()
                 record, seqs = self.sample(rng)
                 t1 = time.monotonic()
-                dev = self.deviation(record, seqs)
+                dev = self.call("deviation", record, seqs)
                 self.score_load()
-                train_step(self.trainer, self.opt, [p + ids for p, ids, _ in seqs])
-                self.version += 1
+                self.version = self.call("train", [p + ids for p, ids, _ in seqs])
                 t2 = time.monotonic()
                 self.push_and_canary()
                 t3 = time.monotonic()
-                self.checkpoint()
+                self.call("checkpoint")
                 timing = {"sample_s": t1 - t0, "score_train_s": t2 - t1, "push_canary_s": t3 - t2}
                 entry = {
                     "step": step,
@@ -392,22 +341,15 @@ class Soak:
             self.stop.set()
             for t in threads:
                 t.join(60)
+            for trainer in [self.trainer, *self.spares]:
+                if trainer is not None:
+                    trainer.close()
             if self.engine_stack is not None:
                 self.engine_stack.close()
             self.hs.stop(grace=0)
         self.report.load = {**self.counts, **{f"error {k}": v for k, v in self.errors.items()}}
         self.judge(plan)
         return self.report
-
-    def push_and_canary_start(self) -> None:
-        """Version 0 is the checkpoint both sides loaded: its canary opens sampling."""
-        from isoexec.megatron.canary import canary_with_served_engine
-
-        t, e = canary_with_served_engine(
-            self.trainer, self.url, self.address, self.token, RUN_ID, 0, timeout_s=120
-        )
-        if not (t.matched and e["matched"]):
-            raise RuntimeError(f"canary of version 0: {e['summary']}")
 
     def judge(self, plan: dict[int, str]) -> None:
         report, steps = self.report, self.config.steps
@@ -453,25 +395,12 @@ def main() -> None:
     raise SystemExit(0 if report.passed else 1)
 
 
-def run_soak(config: SoakConfig, trainer_factory: Any = None) -> SoakReport:
+def run_soak(config: SoakConfig) -> SoakReport:
     """Make the tiny model, run the soak, write `soak.json` to `config.out`."""
-    from isoexec.megatron import build_model, load_hf_weights, megatron_parallel
     from isoexec.tools.tiny_models import make_tiny_model
 
     model = str(make_tiny_model("tiny-dense", config.out / "model", seed=3))
-
-    def build(model_dir: str, dtype: str, isoexec: bool = True, fresh: bool = True) -> Any:
-        m = build_model(model_dir, isoexec=isoexec, dtype=torch.float32)
-        load_hf_weights(m, model_dir)
-        return m
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the engine computes on the same cores all along: no contention
-    try:
-        with megatron_parallel() if trainer_factory is None else ExitStack():
-            report = Soak(config, model, trainer_factory or build).run()
-    finally:
-        torch.set_num_threads(threads)
+    report = Soak(config, model).run()
     (config.out / "soak.json").write_text(json.dumps(asdict(report), indent=1))
     return report
 

@@ -5,7 +5,6 @@ run in the default suite; the 200-step run is `-m soak` (its figures: `docs/reli
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +24,12 @@ def _check(report: Any, steps: int) -> None:
     assert report.load["other_version_refused"] + report.load["scored_bitwise"] > 0
 
 
-def test_soak_30_steps(tmp_path: Path, trainer_factory: Callable[..., Any]) -> None:
-    report = run_soak(SoakConfig(steps=30, out=tmp_path), trainer_factory)
+def test_soak_30_steps(tmp_path: Path) -> None:
+    report = run_soak(SoakConfig(steps=30, out=tmp_path))
     _check(report, 30)
 
 
 @pytest.mark.soak
-def test_soak_200_steps(tmp_path: Path, trainer_factory: Callable[..., Any]) -> None:
-    report = run_soak(SoakConfig(steps=200, out=tmp_path, faults_per_kind=3), trainer_factory)
+def test_soak_200_steps(tmp_path: Path) -> None:
+    report = run_soak(SoakConfig(steps=200, out=tmp_path, faults_per_kind=3))
     _check(report, 200)
