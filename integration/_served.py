@@ -24,6 +24,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def stop_session(proc: subprocess.Popen[bytes]) -> None:
+    """End a process started with `start_new_session=True` and everything it started: SIGTERM
+    to its group, then SIGKILL (an engine must not outlive its test)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+    proc.wait(30)
+
+
 @contextmanager
 def served(
     model: str,

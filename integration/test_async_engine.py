@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from _served import stop_session
 
 from isoexec.handshake.server import HandshakeServer
 from isoexec.tools.pair import make_prompts
@@ -61,12 +61,7 @@ def test_async_llm_matches_and_is_bitwise(
                                      nproc=1)  # fmt: skip
             assert proc.wait(timeout=600) == 0, (tmp_path / "async.log").read_text()[-4000:]
         finally:
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            proc.wait(30)
+            stop_session(proc)
     out = json.loads((tmp_path / "out.json").read_text())
     assert offered["verdict"]["outcome"] == "MATCH"
     assert [v["outcome"] for v in out["verdicts"]] == ["MATCH"]

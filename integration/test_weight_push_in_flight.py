@@ -15,7 +15,6 @@ import json
 import os
 import random
 import secrets
-import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from _served import stop_session
 
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
@@ -51,12 +51,7 @@ def _run(spec: dict[str, Any], tmp: Path, offer: Callable[[], Any]) -> dict[str,
         offer()
         assert proc.wait(timeout=900) == 0, log_path.read_text()[-4000:]
     finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-        proc.wait(30)
+        stop_session(proc)
     return json.loads((tmp / "out.json").read_text())
 
 
