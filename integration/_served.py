@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PIDS: dict[str, int] = {}  # base URL -> the server's pid (= its process group) while it serves
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -49,7 +49,7 @@ def served(
     """`isoexec engine serve MODEL ...` in its own session; the base URL once healthy.
     `tokenizer`: serve the model's tokenizer (else `--skip-tokenizer-init`: token ids only);
     `env`: added to the server's environment."""
-    port = _free_port()
+    port = free_port()
     cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "engine", "serve", *launcher_args]
     cmd += ["--stock", model] if stock else [model]  # launcher flags before MODEL
     cmd += [] if tokenizer else ["--skip-tokenizer-init"]

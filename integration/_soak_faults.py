@@ -42,7 +42,9 @@ def engine_sigkill(soak: Soak, step: int) -> str:
 def handshake_restart(soak: Soak, step: int) -> str:
     from isoexec.handshake.served import served_reoffer
 
-    soak.hs.stop(grace=0)
+    killed = soak.service.pid
+    os.killpg(killed, signal.SIGKILL)
+    soak.service.wait(30)
     soak.start_service(soak.port)
     try:  # the new service knows no MATCH: the engine's gate refuses
         soak.call("push", soak.url, soak.version + 1)
@@ -59,7 +61,8 @@ def handshake_restart(soak: Soak, step: int) -> str:
     reoffer.join(300)
     if [v["outcome"] for v in got.get("v", [])] != ["MATCH"]:
         raise RuntimeError(f"engine re-offer: {got}")
-    return "push refused (409, no MATCH) until both sides offered again; MATCH"
+    return (f"service pid {killed} SIGKILLed, a new one on its port; push refused (409, no "
+            "MATCH) until both sides offered again; MATCH")  # fmt: skip
 
 
 def push_truncated(soak: Soak, step: int) -> str:

@@ -13,8 +13,9 @@ file descriptors are recorded. The faults, and the recovery each must end in:
 - `engine_sigkill`: the server's process group is SIGKILLed; a new server starts, its worker
   offers at load (MATCH), sampling is refused until the trainer pushes the current weights and
   their canary passes;
-- `handshake_restart`: the service is stopped and a new one starts on its port (it remembers
-  nothing); the next push is refused (no MATCH), both sides offer again, the push goes through;
+- `handshake_restart`: the service (`isoexec handshake serve`, its own process) is SIGKILLed
+  and a new one starts on its port (it remembers nothing); the next push is refused (no
+  MATCH), both sides offer again, the push goes through;
 - `push_truncated`: a push whose connection is cut mid-body: refused, nothing loaded;
 - `trainer_restart`: the trainer process (`_soak_trainer.py`) is SIGKILLed; a new one resumes
   from its last checkpoint (weights, optimizer, weights version) and offers its contract again;
@@ -123,6 +124,7 @@ class Soak:
         self.spares: list[TrainerProcess] = []
         self.engine_stack: ExitStack | None = None
         self.restarts = 0
+        self.service_starts = 0
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.loaded: list[tuple[Any, list[int], list[int], list[float]]] = []
@@ -141,11 +143,34 @@ class Soak:
     # -- the pieces --
 
     def start_service(self, port: int = 0) -> None:
-        from isoexec.handshake.server import HandshakeServer
+        """`isoexec handshake serve` in its own session (a fault SIGKILLs it), on `port` (a
+        free one at first, the same one after a restart); returns once it accepts
+        connections."""
+        import socket
+        import subprocess
 
-        self.hs = HandshakeServer({"trainer": 1, "engine": 1}, self.token, port=port)
-        self.port = self.hs.start()
+        from _served import ROOT, free_port
+
+        self.port = port or free_port()
         self.address = f"127.0.0.1:{self.port}"
+        cmd = [str(ROOT / ".venv" / "bin" / "isoexec"), "handshake", "serve", "--port",
+               str(self.port), "--token-file", str(self.out / "token")]  # fmt: skip
+        log = (self.out / f"handshake{self.service_starts}.log").open("wb")
+        self.service_starts += 1
+        self.service = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)  # fmt: skip
+        log.close()
+        deadline = time.monotonic() + 60
+        while True:
+            if self.service.poll() is not None:
+                raise RuntimeError(f"the handshake service exited {self.service.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise TimeoutError("the handshake service did not listen in 60 s") from None
+                time.sleep(0.2)
 
     def start_engine(self) -> None:
         self.engine_stack = ExitStack()
@@ -346,7 +371,9 @@ class Soak:
                     trainer.close()
             if self.engine_stack is not None:
                 self.engine_stack.close()
-            self.hs.stop(grace=0)
+            from _served import stop_session
+
+            stop_session(self.service)
         self.report.load = {**self.counts, **{f"error {k}": v for k, v in self.errors.items()}}
         self.judge(plan)
         return self.report

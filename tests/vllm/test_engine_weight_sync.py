@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save, save_file
 
 from isoexec.contract.contract import Contract
 from isoexec.contract.fingerprint import WeightFingerprint
@@ -31,6 +31,19 @@ def _perturbed_checkpoint(src: str, dst: Path, seed: int) -> Path:
     }
     save_file(new, str(dst / "model.safetensors"))
     return dst / "model.safetensors"
+
+
+def _name_twice(body: bytes) -> bytes:
+    """The safetensors bytes with the header's second tensor named like its first."""
+    import json
+    import struct
+
+    (n,) = struct.unpack("<Q", body[:8])
+    header = json.loads(body[8 : 8 + n])
+    first, second = [k for k in header if k != "__metadata__"][:2]
+    text = json.dumps(header).replace(json.dumps(second) + ":", json.dumps(first) + ":", 1)
+    raw = text.encode() + b" " * (-len(text.encode()) % 8)
+    return struct.pack("<Q", len(raw)) + raw + body[8 + n :]
 
 
 def test_weight_sync_gate_fingerprints_and_reload(
@@ -89,6 +102,13 @@ def test_weight_sync_gate_fingerprints_and_reload(
                 with pytest.raises(EngineError, match=rf"{why.strip()}.*nothing loaded"):
                     eng.call("load_weights", str(f), digest)
                 assert eng.call("weight_fingerprint") == before, why
+            # A body whose header names one tensor twice (safetensors cannot write one; a
+            # hand-built or corrupted transfer can): the parser refuses it, nothing loaded.
+            twice = tmp_path / "twice.safetensors"
+            twice.write_bytes(_name_twice(save(new_weights)))
+            with pytest.raises(EngineError, match="invalid offset for tensor"):
+                eng.call("load_weights", str(twice), expected)
+            assert eng.call("weight_fingerprint") == before
             # NaN is let through only when asked for (a run that wants to see it fail later).
             nan = bad_sets["NaN or Inf"]
             f = tmp_path / "nan.safetensors"
