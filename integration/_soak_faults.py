@@ -100,11 +100,15 @@ def trainer_restart(soak: Soak, step: int) -> str:
 
 
 def client_disconnect(soak: Soak, step: int) -> str:
-    stream = soak._client().completions.create(
+    from openai import OpenAI
+
+    own = OpenAI(base_url=f"{soak.url}/v1", api_key="unused", max_retries=0)
+    stream = own.completions.create(
         model=soak.model, prompt=soak.pool[1], max_tokens=200, temperature=1.0, stream=True
     )
     next(iter(stream))
     stream.close()  # the client goes away mid-stream
+    own.close()
     return "stream closed after its first chunk; the next push drained without it"
 
 

@@ -125,6 +125,7 @@ class Soak:
         self.engine_stack: ExitStack | None = None
         self.restarts = 0
         self.service_starts = 0
+        self.clients = threading.local()
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.loaded: list[tuple[Any, list[int], list[int], list[float]]] = []
@@ -206,9 +207,17 @@ class Soak:
     # -- sampling and scoring --
 
     def _client(self) -> Any:
+        """This thread's client of the current server: one connection kept alive, as a
+        framework's client does (a new one per request leaves sockets in the server's
+        keep-alive window, and the fd count would measure those, not a leak)."""
         from openai import OpenAI
 
-        return OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        held = getattr(self.clients, "held", None)
+        if held is None or held[0] != self.url:
+            client = OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                            timeout=120)  # fmt: skip
+            self.clients.held = held = (self.url, client)
+        return held[1]
 
     def _complete(self, prompts: list[list[int]], n: int) -> Any:
         from isoexec.handshake.served import SAMPLING_HEADER, SamplingRecord
