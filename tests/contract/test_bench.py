@@ -245,6 +245,7 @@ def test_tiny_gdn_model_has_an_attention_layer(tmp_path: Path) -> None:
 @pytest.mark.engine
 @pytest.mark.trainer
 @pytest.mark.slow
+@pytest.mark.matrix  # 73 s for CI time: the bench measures speed, no bitwise claim rests on it
 def test_tiny_bench_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The real thing at the tiny size: two engines (vLLM's default compiled mode) alive at once,
     two Megatron models; the JSON has both arms with positive tokens/s, the plot is there, and

@@ -65,6 +65,7 @@ def test_logprobs_mode_drift_is_refused_at_startup(tiny_dense_dir: str) -> None:
     assert engine_process._LIVE_GROUPS == live_before
 
 
+@pytest.mark.matrix  # 90 s; multiprocess engines MATCH and score bitwise in the served tests
 def test_isoexec_multiprocess_engine_matches_in_process(
     tiny_dense_dir: str, engine_pool: Callable[..., EngineProcess]
 ) -> None:
