@@ -198,10 +198,10 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         pushed = None if stated is None else int(stated)
     except ValueError:
         return error(400, f"{VERSION_HEADER} {stated!r} is not an integer")
-    if pushed is not None and pushed <= GATE.weights_version:
-        held = GATE.weights_version
-        return error(409, f"stale weights: version {pushed}, the engine holds version "
-                          f"{held} (a push must be newer); nothing loaded")  # fmt: skip
+    try:  # before the gate shuts: a stale push changes nothing (checked again under the lock)
+        GATE.versions.check_newer(pushed)
+    except WeightPushFailedError as e:
+        return error(409, str(e))
     # No sequence straddles two weight versions (`weight_versions`): new requests are refused
     # from here on (503), the ones admitted finish under the weights they started with (their
     # sampling record names that version), then the workers load.

@@ -103,6 +103,15 @@ class WeightVersions:
         if self._in_flight == 0:
             idle.set()
 
+    def check_newer(self, version: int | None) -> None:
+        """Refuse a stated version that is not newer than the held one (a trainer restarted
+        from an old checkpoint); None (the next version) always is."""
+        if version is not None and version <= self.version:
+            raise WeightPushFailedError(
+                f"stale weights: version {version}, the engine holds version {self.version} "
+                "(a push must be newer); nothing loaded"
+            )
+
     def bump(self) -> int:
         """A new version without a base-weight load (a pushed LoRA adapter): what is served
         changed, so what was cleared before is not cleared for it."""
@@ -142,11 +151,7 @@ class WeightVersions:
         idle, open_ = self._events()
         assert self._one_push is not None
         async with self._one_push:
-            if version is not None and version <= self.version:
-                raise WeightPushFailedError(
-                    f"stale weights: version {version}, the engine holds version "
-                    f"{self.version} (a push must be newer); nothing loaded"
-                )
+            self.check_newer(version)
             return await self._push(engine, path, fingerprint, version, allow_nonfinite,
                                     drain_timeout_s, idle, open_)  # fmt: skip
 
