@@ -6,9 +6,10 @@ Before the admission check each of these settings gave a MATCH with 0/204 tokens
 refused request killed the engine mid-batch. Now a setting IsoExec does not reproduce is
 refused at admission — HTTP 400 for that request alone, naming the setting — while the
 concurrent good requests finish bitwise the trainer's and the server stays up. Top-k, top-p
-and min-p, and the model's shipped defaults, are good requests: canonical truncation, recorded
-per completion and scored with the record. Negative control: the same settings are accepted
-by the `--stock` server (`test_served_engine.py`).
+and min-p, the penalties, logit bias and allowed tokens, and the model's shipped defaults
+(a repetition penalty among them) are good requests: canonical on both sides, recorded per
+completion and scored with the record. Negative control: the same settings are accepted by
+the `--stock` server (`test_served_engine.py`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,11 @@ from isoexec.tools.pair import make_prompts
 pytestmark = [pytest.mark.engine, pytest.mark.trainer]
 
 MAX_TOKENS = 6
-# What the fail-open audit measured (plus the other truncations and penalties): each in the
-# request body as the `openai` client sends it.
+# Settings IsoExec does not reproduce, each in the request body as the `openai` client sends
+# it. (The fail-open audit's logit_bias, allowed_token_ids and penalties are good requests now.)
 REFUSED: dict[str, dict[str, Any]] = {
-    "logit_bias": {"logit_bias": {"5": 3, "7": -2}},
-    "allowed_token_ids": {"extra_body": {"allowed_token_ids": list(range(40))}},
-    "repetition_penalty": {"extra_body": {"repetition_penalty": 1.3}},
-    "presence_penalty": {"presence_penalty": 0.5},
     "min_tokens": {"extra_body": {"min_tokens": 2}},
+    "bad_words": {"extra_body": {"bad_words": ["x"]}},
 }
 
 
@@ -84,7 +82,7 @@ def _bitwise(trainer: Any, prompt: list[int], resp: Any, temp: float | None = No
     ids, lps = _ids_and_logprobs(resp)
     seqs = [prompt + ids]
     (train,) = (
-        score_sampled(trainer, seqs, resp.isoexec_record)
+        score_sampled(trainer, seqs, resp.isoexec_record, prompt_lens=[len(prompt)])
         if temp is None
         else score(trainer, seqs, temperature=temp)
     )
@@ -106,17 +104,26 @@ GOOD: list[tuple[float | None, dict[str, Any]]] = [
     (1.0, {"extra_body": {"min_p": 0.1}}),
     (0.8, {"top_p": 0.9, "extra_body": {"top_k": 12, "min_p": 0.02}}),
     (1.0, {"top_p": 1.0, "extra_body": {"top_k": -1}}),  # neutral: nothing truncated
-] * 2
+    (1.0, {"top_p": 1.0, "extra_body": {"top_k": -1, "repetition_penalty": 1.3}}),
+    (0.8, {"top_p": 1.0, "presence_penalty": 0.5, "frequency_penalty": 0.3,
+           "extra_body": {"top_k": -1}}),
+    (1.0, {"top_p": 1.0, "logit_bias": {"5": 3, "7": -2, "9": 250},
+           "extra_body": {"top_k": -1}}),  # 250: vLLM clamps it to 100, so does the record
+    (0.9, {"top_p": 1.0, "extra_body": {"top_k": -1, "allowed_token_ids": list(range(40))}}),
+    (0.7, {"top_p": 0.9, "frequency_penalty": -0.4, "extra_body": {"top_k": 30}}),
+] * 2  # fmt: skip
+ADJUSTED = (7, 8, 9, 10)  # the untruncated requests with an adjustment
 
 
 def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
     tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
 ) -> None:
-    """14 good requests and one request per refused setting, all at once: every refused one
-    gets HTTP 400 naming its setting, every good one — top-k, top-p, min-p, combined, and the
-    model's shipped defaults — is bitwise the trainer's scoring with the record its response
-    carried, and the server stays up. Negative controls: the truncated completions scored
-    without their truncation (or at T=1.0 for the shipped defaults) are not bitwise."""
+    """24 good requests and one request per refused setting, all at once: every refused one
+    gets HTTP 400 naming its setting, every good one — top-k, top-p, min-p, combined, the
+    penalties, logit bias, allowed tokens, and the model's shipped defaults — is bitwise the
+    trainer's scoring with the record its response carried, and the server stays up. Negative
+    controls: the truncated or adjusted completions scored without their settings (or at
+    T=1.0 for the shipped defaults) are not bitwise."""
     import openai
 
     prompts = _prompts(release_model, len(GOOD))
@@ -153,11 +160,16 @@ def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
     assert (shipped.temperature, shipped.top_k, shipped.top_p) == (0.6, 20, 0.95), shipped
     assert answers[2].isoexec_record.top_k == 5 and answers[3].isoexec_record.top_p == 0.8
     assert answers[4].isoexec_record.min_p == 0.1 and answers[5].isoexec_record.top_k == 12
+    assert answers[7].isoexec_record.repetition_penalty == 1.3
+    assert answers[8].isoexec_record.penalties().presence_penalty == 0.5
+    assert answers[9].isoexec_record.logit_bias == ((5, 3.0), (7, -2.0), (9, 100.0))
+    assert answers[10].isoexec_record.allowed_token_ids == tuple(range(40))
+    assert all(t < 40 for t in _ids_and_logprobs(answers[10])[0])
     for i, resp in enumerate(answers):  # each scored with the record its response carried
         assert resp.isoexec_record.logprobs_mode == "processed_logprobs"
         assert _bitwise(trainer, prompts[i], resp), (i, resp.isoexec_record)
     assert _bitwise(trainer, prompts[1], after)
-    for i in (0, 2, 3, 5):  # negative controls: the same completions scored untruncated
+    for i in (0, 2, 3, 5, *ADJUSTED):  # negative controls: scored without their settings
         temp = GOOD[i][0] or 0.6
         assert not _bitwise(trainer, prompts[i], answers[i], temp=temp), i
     assert not _bitwise(trainer, prompts[0], answers[0], temp=1.0)
@@ -165,18 +177,22 @@ def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
     assert "EngineDeadError" not in running_log
 
 
-def test_a_shipped_penalty_is_refused_unless_neutralised(
+def test_a_shipped_penalty_is_applied_and_recorded(
     tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
 ) -> None:
-    """A model whose generation_config.json also ships a repetition penalty, served with
-    `--generation-config auto` (its defaults applied, as stock vLLM does): a request naming
-    nothing inherits the penalty and is refused at admission, naming it and where it came
-    from. One that sets it neutral is sampled with the other shipped defaults (temperature
-    0.6, top_k 20, top_p 0.95), which its record says; scored with that record it is bitwise.
-    A sequence without a record, or recorded in another logprobs mode, is refused."""
+    """A model whose generation_config.json also ships a repetition penalty (Qwen2.5 shipped
+    1.05), served as it ships: a request naming nothing is sampled with every shipped default,
+    which its record says, and scored with that record it is bitwise. Negative control: the
+    record without its penalty (what a trainer unaware of the shipped default computes) is not
+    bitwise, on a request that turns the truncation off so that every prompt token is in the
+    kept set. A sequence without a record, or recorded in another logprobs mode, or a penalised
+    one scored without prompt lengths, is refused."""
     import shutil
+    from dataclasses import replace
 
-    import openai
+    from isoexec.handshake.served import SamplingRecordError
+    from isoexec.megatron import score_sampled
+    from isoexec.ops.penalties import PenaltiesError
 
     model = tmp_path / "penalised"
     shutil.copytree(release_model, model)
@@ -184,30 +200,28 @@ def test_a_shipped_penalty_is_refused_unless_neutralised(
     (model / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.05}))
     (prompt,) = _prompts(str(model), 1)
     log = tmp_path / "server.log"
-    with served(str(model), stock=False, log=log, tokenizer=True,
-                vllm_args=("--generation-config", "auto")) as url:  # fmt: skip
-        with pytest.raises(openai.BadRequestError) as refused:
-            _complete(url, str(model), prompt)
-        neutral = _complete(url, str(model), prompt, extra_body={"repetition_penalty": 1.0})
-    message = str(refused.value)
-    assert "repetition_penalty=1.05" in message and "generation_config.json" in message
+    with served(str(model), stock=False, log=log, tokenizer=True) as url:
+        shipped = _complete(url, str(model), prompt)
+        untruncated = _complete(url, str(model), prompt, top_p=1.0, extra_body={"top_k": -1})
     trainer = trainer_factory(str(model), "float32", isoexec=True)
-    record = neutral.isoexec_record
+    record = shipped.isoexec_record
     assert (record.temperature, record.top_k, record.top_p) == (0.6, 20, 0.95), record
-    assert _bitwise(trainer, prompt, neutral)
-    assert not _bitwise(trainer, prompt, neutral, temp=1.0)  # what a trainer assuming 1.0 gets
-    from dataclasses import replace
+    assert record.repetition_penalty == 1.05 == untruncated.isoexec_record.repetition_penalty
+    assert _bitwise(trainer, prompt, shipped) and _bitwise(trainer, prompt, untruncated)
+    unaware = replace(untruncated.isoexec_record, repetition_penalty=1.0)
+    ids, lps = _ids_and_logprobs(untruncated)
+    (train,) = score_sampled(trainer, [prompt + ids], unaware, prompt_lens=[len(prompt)])
+    assert not torch.equal(train[-len(ids) :].float(), torch.tensor(lps, dtype=torch.float32))
 
-    from isoexec.handshake.served import SamplingRecordError
-    from isoexec.megatron import score_sampled
-
-    seq = [prompt + _ids_and_logprobs(neutral)[0]]
+    seq = [prompt + _ids_and_logprobs(shipped)[0]]
     with pytest.raises(SamplingRecordError, match="without the record"):
         score_sampled(trainer, seq, None)
     raw = replace(record, logprobs_mode="raw_logprobs")
     with pytest.raises(SamplingRecordError, match="raw_logprobs"):
         score_sampled(trainer, seq, raw)
-    assert "may be applied to requests that name none" in log.read_text()
+    with pytest.raises(PenaltiesError, match="prompt length"):
+        score_sampled(trainer, seq, record)
+    assert "repetition_penalty=1.05) apply" in log.read_text()
 
 
 def test_a_config_override_does_not_match(

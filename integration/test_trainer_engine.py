@@ -20,6 +20,7 @@ import torch
 from _faults import narrow_attention_lanes
 
 from isoexec.megatron import trainer_contract
+from isoexec.ops.penalties import Penalties
 from isoexec.ops.truncation import Truncation
 from isoexec.tools.pair import handshake, make_prompts, sample_and_score
 from isoexec.tools.pair_steps import sample, score_completions, score_full_rows
@@ -38,6 +39,25 @@ TRUNCATIONS = [
     Truncation(top_k=3),
 ]
 TRUNC_TEMPS = [1.0, 0.9, 1.0, 0.6, 0.8, 0.0]  # the last greedy: vLLM drops its truncation
+# One request per adjustment (penalties, logit bias, allowed tokens), one combined with
+# truncation, and a greedy one (vLLM applies penalties to greedy requests too).
+PENALTIES = [
+    Penalties.of(repetition_penalty=1.3),
+    Penalties.of(frequency_penalty=0.5, presence_penalty=0.3),
+    Penalties.of(logit_bias={3: 4.0, 11: -3.0, 200: 100.0}),
+    Penalties.of(allowed_token_ids=range(0, 300, 2)),
+    Penalties.of(1.1, 0.2, -0.1, {5: 2.0}),
+    Penalties.of(repetition_penalty=1.5, frequency_penalty=1.0),
+]
+PEN_TEMPS = [1.0, 0.8, 1.0, 0.9, 0.6, 0.0]
+PEN_TRUNCS: list[Truncation | None] = [
+    None,
+    None,
+    None,
+    None,
+    Truncation(top_k=20, top_p=0.95),
+    None,
+]
 
 
 # vLLM's `support_torch_compile` wrapper on the inner model: off in eager mode, else it sets
@@ -102,6 +122,20 @@ def test_trainer_equals_engine_bitwise(
     # Negative control: the trainer scoring the same tokens without the truncation differs.
     untruncated, _ = score_completions(trainer, done, TRUNC_TEMPS)
     assert not torch.equal(untruncated, eng)
+
+    # Penalties, logit bias and allowed tokens (the same engine): scored from each sequence's
+    # own history, every token and every whole row equal; without them, every request differs.
+    done = sample(
+        engine, prompts, PEN_TEMPS, 6, truncations=PEN_TRUNCS, full_vocab=True, penalties=PENALTIES
+    )
+    assert all(t % 2 == 0 and t < 300 for t in done[3].token_ids)  # the allow-list held
+    train, eng = score_completions(trainer, done, PEN_TEMPS, PEN_TRUNCS, penalties=PENALTIES)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+    rows = score_full_rows(trainer, done, PEN_TEMPS, PEN_TRUNCS, penalties=PENALTIES)
+    assert torch.equal(*rows)
+    plain, _ = score_completions(trainer, done, PEN_TEMPS, PEN_TRUNCS)
+    differs = (plain != eng).reshape(len(prompts), 6).any(-1)
+    assert bool(differs.all()), differs
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -52,7 +52,8 @@ def naive_dp_train_step(
     backward already summed every rank's tokens), as Megatron's DDP leaves them."""
     from megatron.core import parallel_state as ps
 
-    from isoexec.megatron.scoring import _packs, packed_logprobs
+    from isoexec.megatron.packing import split_into_packs as _packs
+    from isoexec.megatron.scoring import packed_logprobs
 
     ids = [torch.tensor(s) for s in seqs]
     total = sum(len(s) - 1 for s in seqs)

@@ -34,7 +34,7 @@ MAX_TOKENS = 20
 def dp_results(
     model_factory: Callable[[str, str], str], run_tp_jobs: Callable[..., list[dict[str, Any]]]
 ) -> dict[tuple[str, int, bool], dict[str, Any]]:
-    from isoexec.megatron.scoring import _packs
+    from isoexec.megatron.packing import split_into_packs as _packs
 
     assert len(_packs([len(s) for s in SEQS], MAX_TOKENS)) == 4
     out: dict[tuple[str, int, bool], dict[str, Any]] = {}

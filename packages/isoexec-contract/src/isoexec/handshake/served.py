@@ -60,8 +60,13 @@ DEFAULT_OFFER_TIMEOUT_S = 3600.0  # a served engine may start long before its tr
 SAMPLING_HEADER = "X-IsoExec-Sampling"
 SAMPLING_FIELDS = (
     "temperature", "logprobs_mode", "weights_version", "adapter", "top_k", "top_p", "min_p",
-    "weights_fingerprint",
+    "weights_fingerprint", "repetition_penalty", "frequency_penalty", "presence_penalty",
+    "logit_bias", "allowed_token_ids",
 )  # fmt: skip
+# The largest record a server sends (a long allow-list or bias map): HTTP clients cap a
+# response's header block (h11, under httpx and the openai client: 16 KiB); the server refuses
+# a request whose record would not fit, rather than send one the client cannot read.
+MAX_SAMPLING_HEADER_BYTES = 8192
 
 
 class SamplingRecordError(ValueError):
@@ -77,7 +82,8 @@ class SamplingRecord:
     checkpoint the engine started from). The server sends it in `SAMPLING_HEADER` of every
     completion response; the trainer scores with it (`isoexec.megatron.score_sampled`). The
     other settings need no record: the admission check lets through only those that leave
-    the distribution alone."""
+    the distribution alone. The penalties, logit bias (sorted (id, bias) pairs, after vLLM's
+    clamp to [-100, 100]) and allow-list are `isoexec.ops.penalties.Penalties`'s."""
 
     temperature: float
     logprobs_mode: str
@@ -87,9 +93,21 @@ class SamplingRecord:
     top_p: float = 1.0
     min_p: float = 0.0
     weights_fingerprint: str | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
 
     def to_header(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
+
+    def penalties(self) -> Any:
+        """The record's logit adjustments (`isoexec.ops.penalties.Penalties`)."""
+        from isoexec.ops.penalties import Penalties
+
+        return Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty,
+                         self.logit_bias, self.allowed_token_ids)  # fmt: skip
 
     @classmethod
     def from_header(cls, text: str | None) -> SamplingRecord:
@@ -110,9 +128,15 @@ class SamplingRecord:
             fingerprint = raw["weights_fingerprint"]
             if fingerprint is not None and not isinstance(fingerprint, str):
                 raise ValueError(f"weights_fingerprint {fingerprint!r} is not a digest")
+            allowed = raw["allowed_token_ids"]
             record = cls(float(raw["temperature"]), str(raw["logprobs_mode"]),
                          int(raw["weights_version"]), adapter, raw["top_k"],
-                         float(raw["top_p"]), float(raw["min_p"]), fingerprint)  # fmt: skip
+                         float(raw["top_p"]), float(raw["min_p"]), fingerprint,
+                         float(raw["repetition_penalty"]), float(raw["frequency_penalty"]),
+                         float(raw["presence_penalty"]),
+                         tuple((t, float(b)) for t, b in raw["logit_bias"]),
+                         None if allowed is None else tuple(allowed))  # fmt: skip
+            record.penalties()  # validated: ids, finite values, sorted, distinct
         except (ValueError, TypeError, AttributeError) as e:
             raise SamplingRecordError(f"malformed {SAMPLING_HEADER} header {text!r}: {e}") from None
         return record

@@ -32,6 +32,7 @@ from . import (
     lora,
     moe,
     norm,
+    penalties,
     rope,
     truncation,
 )
@@ -63,6 +64,7 @@ from .lora import (
 )
 from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
 from .norm import gated_rms_norm, rms_norm
+from .penalties import adjust_logits
 from .rope import apply_rope, rope_cos_sin, rope_inv_freq
 from .truncation import truncation_mask
 
@@ -146,8 +148,15 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             "temperature": "fp32-true-div",
             "mode": "processed_logprobs",
             "truncation": truncation.RULE,
+            "adjust": penalties.RULE,
         },
-        (logprobs._tempered, logprobs.log_softmax, logprobs.token_logprobs, truncation_mask),
+        (
+            logprobs._tempered,
+            logprobs.log_softmax,
+            logprobs.token_logprobs,
+            truncation_mask,
+            adjust_logits,
+        ),
     ),
     "logprobs_vocab_parallel": (
         "isoexec.logprobs.vocab_leaves",
@@ -336,6 +345,7 @@ __all__ = [
     "PLACEMENT_PARAMS",
     "REGISTRY",
     "TORCH_ONLY",
+    "adjust_logits",
     "apply_rope",
     "attention_paged",
     "attention_varlen",

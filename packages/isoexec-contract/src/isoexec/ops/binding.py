@@ -72,7 +72,9 @@ ENTRY_POINTS: Mapping[str, frozenset[str]] = MappingProxyType(
         "silu_mul": frozenset({"silu_mul"}),
         "attention": frozenset({"attention_varlen", "attention_paged", "gather_paged_kv"}),
         "attn_output_gate": frozenset({"attn_output_gate"}),
-        "logprobs": frozenset({"log_softmax", "token_logprobs", "truncation_mask"}),
+        "logprobs": frozenset(
+            {"adjust_logits", "log_softmax", "token_logprobs", "truncation_mask"}
+        ),
         "logprobs_vocab_parallel": frozenset(
             {"vocab_leaf_stats", "combine_leaf_stats", "token_logprobs_vocab_parallel"}
         ),

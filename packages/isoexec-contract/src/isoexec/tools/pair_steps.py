@@ -12,6 +12,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+from isoexec.ops.penalties import Penalties
 from isoexec.ops.truncation import Truncation
 
 
@@ -39,24 +40,28 @@ def sample(
     lora: Any = None,
     truncations: list[Truncation | None] | None = None,
     full_vocab: bool = False,
+    penalties: list[Penalties | None] | None = None,
 ) -> list[Any]:
     """The engine samples `max_tokens` tokens per prompt, each at its temperature and under
-    its truncation (top-k / top-p / min-p, if given), under the adapter `lora` (a
-    `LoraAdapter` the engine has added) if given; `full_vocab`: each sampled position's whole
-    processed row comes back too (the engine needs max_logprobs=-1)."""
+    its truncation (top-k / top-p / min-p, if given) and penalties (penalties, logit bias,
+    allowed tokens, if given), under the adapter `lora` (a `LoraAdapter` the engine has
+    added) if given; `full_vocab`: each sampled position's whole processed row comes back too
+    (the engine needs max_logprobs=-1)."""
     from isoexec.vllm.engine_process import SamplingSpec
 
     engine.call("reset_prefix_cache")
     truncs = truncations or [None] * len(temps)
+    pens = penalties or [None] * len(temps)
     specs = [
         SamplingSpec(
             max_tokens=max_tokens,
             temperature=t,
             lora=lora,
             full_vocab=full_vocab,
+            penalties=pen,
             **_spec_fields(tr),
         )
-        for t, tr in zip(temps, truncs, strict=True)
+        for t, tr, pen in zip(temps, truncs, pens, strict=True)
     ]
     return engine.generate(prompts, specs)
 
@@ -72,7 +77,9 @@ def _levels(keys: Sequence[Hashable]) -> list[Hashable]:
     order), then truncation."""
 
     def order(key: Any) -> tuple[float, str]:
-        return (float(key), "") if isinstance(key, (int, float)) else (float(key[0]), repr(key[1]))
+        if isinstance(key, (int, float)):
+            return (float(key), "")
+        return (float(key[0]), repr(key[1:]))
 
     return sorted(set(keys), key=order)
 
@@ -114,17 +121,25 @@ def score_completions(
     temps: list[float],
     truncations: list[Truncation | None] | None = None,
     full_vocab: bool = False,
+    penalties: list[Penalties | None] | None = None,
 ) -> tuple[Any, Any]:
     """The trainer scores exactly the sampled sequences, each with the settings given for it
-    (temperature, truncation). Returns (trainer logprobs, engine logprobs) of every sampled
-    token, fp32, aligned; `full_vocab`: each position's whole processed row (the trainer's
-    `score(..., full_vocab=True)` against the rows the engine returned)."""
+    (temperature, truncation, penalties). Returns (trainer logprobs, engine logprobs) of every
+    sampled token, fp32, aligned; `full_vocab`: each position's whole processed row (the
+    trainer's `score(..., full_vocab=True)` against the rows the engine returned)."""
     from isoexec.megatron import score
 
-    keys: list[Hashable] = list(zip(temps, truncations or [None] * len(temps), strict=True))
+    n = len(temps)
+    keys: list[Hashable] = list(
+        zip(temps, truncations or [None] * n, penalties or [None] * n, strict=True)
+    )
+
+    def lens(key: Hashable) -> list[int]:
+        return [len(c.prompt_token_ids) for c, k in zip(completions, keys, strict=True) if k == key]
+
     scored = {
         k: score(model, _group(completions, keys, k), temperature=k[0], truncation=k[1],
-                 full_vocab=full_vocab)
+                 full_vocab=full_vocab, penalties=k[2], prompt_lens=lens(k))
         for k in _levels(keys)
     }  # fmt: skip
     return align(completions, keys, scored, full_vocab)
@@ -135,9 +150,10 @@ def score_full_rows(
     completions: list[Any],
     temps: list[float],
     truncations: list[Truncation | None] | None = None,
+    penalties: list[Penalties | None] | None = None,
 ) -> tuple[Any, Any]:
     """(trainer, engine) whole processed rows [tokens, V] of every sampled position."""
-    return score_completions(model, completions, temps, truncations, full_vocab=True)
+    return score_completions(model, completions, temps, truncations, True, penalties)
 
 
 def sample_and_score(

@@ -14,6 +14,7 @@ import torch
 from isoexec import ops
 from isoexec.contract.impl import declared_impl
 from isoexec.contract.protocol import SAMPLING_EPS
+from isoexec.ops.penalties import Penalties, RowAdjustments
 from isoexec.ops.truncation import Truncation
 
 
@@ -54,12 +55,34 @@ def effective_truncation(
     return truncation
 
 
+def effective_penalties(
+    penalties: Penalties | None, model: torch.nn.Module | None = None
+) -> Penalties | None:
+    """The logit adjustments the logprobs are taken under: None when off, and None for a model
+    scoring `raw_logprobs` (such an engine returns the logprobs before them). Unlike
+    truncation they apply to greedy requests too, as vLLM applies them."""
+    if penalties is not None and not isinstance(penalties, Penalties):
+        raise TypeError(f"penalties must be an isoexec.ops.penalties.Penalties, not {penalties!r}")
+    if penalties is None or not penalties.active:
+        return None
+    if getattr(model, "isoexec_logprobs_mode", None) == "raw_logprobs":
+        return None
+    return penalties
+
+
 def truncated(
-    provider: object, logits: torch.Tensor, temperature: float, truncation: Truncation | None
+    provider: object,
+    logits: torch.Tensor,
+    temperature: float,
+    truncation: Truncation | None,
+    adjust: RowAdjustments | None = None,
 ) -> torch.Tensor:
-    """`logits` with the tokens outside each row's canonical kept set at -inf (fp32), as the
-    engine's sampler masks them before it samples and returns logprobs; `logits` unchanged
-    without truncation. `provider`: the ops (a model's site ops, or `isoexec.ops`)."""
+    """`logits` after the canonical adjustments (`adjust`, the rows' penalties, bias and mask)
+    with the tokens outside each row's canonical kept set at -inf (fp32), as the engine's
+    sampler does before it samples and returns logprobs; `logits` unchanged without either.
+    `provider`: the ops (a model's site ops, or `isoexec.ops`)."""
+    if adjust is not None:
+        logits = provider.adjust_logits(logits, adjust)  # type: ignore[attr-defined]
     if truncation is None:
         return logits
     n = logits.shape[0]
@@ -70,11 +93,14 @@ def truncated(
 
 
 def full_rows(
-    logits: torch.Tensor, temperature: float = 1.0, truncation: Truncation | None = None
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    truncation: Truncation | None = None,
+    adjust: RowAdjustments | None = None,
 ) -> torch.Tensor:
     """The whole processed row [n-1, V] of positions 0..n-2 (what the engine returns with
     logprobs=-1): fp32 log_softmax of `logits / T` over each row's kept set (-inf outside)."""
-    rows = truncated(ops, logits[:-1], temperature, truncation)
+    rows = truncated(ops, logits[:-1], temperature, truncation, adjust)
     return ops.log_softmax(rows, temperature=temperature)
 
 
@@ -83,11 +109,12 @@ def token_logprobs(
     ids: torch.Tensor,
     temperature: float = 1.0,
     truncation: Truncation | None = None,
+    adjust: RowAdjustments | None = None,
 ) -> torch.Tensor:
     """log p(ids[i+1] | ≤ i) from logits [n, vocab] of positions 0..n-1: fp32 log_softmax of
-    `logits / T` (over each row's kept set under `truncation`) + gather. Reduces over the
-    contiguous last dim (row-invariant on CPU)."""
-    rows = truncated(ops, logits[:-1], temperature, truncation)
+    `logits / T` (after `adjust`, over each row's kept set under `truncation`) + gather.
+    Reduces over the contiguous last dim (row-invariant on CPU)."""
+    rows = truncated(ops, logits[:-1], temperature, truncation, adjust)
     return ops.token_logprobs(rows, ids[1:], temperature=temperature)
 
 
@@ -117,18 +144,20 @@ def site_logprobs(
     next_ids: torch.Tensor | None,
     temperature: float,
     truncation: Truncation | None = None,
+    adjust: RowAdjustments | None = None,
 ) -> torch.Tensor:
     """fp32 logprobs of `next_ids` under rows of full-vocab `logits`, through the logprobs
     binding of an IsoExec model (what its contract records for the `logprobs` site); with
     `next_ids` None, the whole processed rows [n, V]."""
     site = model.isoexec_ops  # type: ignore[union-attr]
-    rows = truncated(site, logits, temperature, truncation)
+    rows = truncated(site, logits, temperature, truncation, adjust)
     if next_ids is None:  # the whole rows (full-vocab scoring)
         return site.log_softmax(rows, temperature=temperature)  # type: ignore[operator,no-any-return]
     return site.token_logprobs(rows, next_ids, temperature=temperature)  # type: ignore[operator,no-any-return]
 
 
 __all__ = [
+    "effective_penalties",
     "effective_temperature",
     "effective_truncation",
     "full_rows",

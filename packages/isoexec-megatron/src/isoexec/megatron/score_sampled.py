@@ -2,9 +2,9 @@
 
 `score(model, sequences, temperature)` trusts its caller's settings; a served engine may have
 applied a default the caller never saw (a checkpoint's generation_config.json sets temperature,
-top_k, top_p). Here the temperature and truncation come from the completion's own
-`SamplingRecord`, and a sequence without one, or one sampled in another logprobs mode than the
-model scores, is refused.
+top_k, top_p, sometimes a repetition penalty). Here the temperature, truncation, penalties,
+logit bias and allow-list come from the completion's own `SamplingRecord`, and a sequence
+without one, or one sampled in another logprobs mode than the model scores, is refused.
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ def score_sampled(
     record: SamplingRecord | None,
     *,
     weights_version: int | None = None,
+    prompt_lens: Sequence[int] | None = None,
     **score_kw: Any,
 ) -> list[torch.Tensor]:
-    """`score` at the record's temperature and truncation; refused without a record, when the
+    """`score` with the record's settings; `prompt_lens[i]`: where sequence i's completion
+    begins (needed when the record has a penalty, which counts the tokens generated so far).
+    Refused without a record, when the
     record's logprobs mode is not the one this model scores, when its adapter is not the one
     attached to the model (`attach_lora(..., name=...)`), or, given `weights_version` (the
     version this model's weights are on the engine: 0 as loaded, +1 per push), when the
@@ -56,9 +59,8 @@ def score_sampled(
             f"{'no adapter' if attached is None else repr(attached)} attached"
         )
     truncation = Truncation(record.top_k, record.top_p, record.min_p)
-    return score(
-        model, sequences, temperature=record.temperature, truncation=truncation, **score_kw
-    )
+    return score(model, sequences, temperature=record.temperature, truncation=truncation,
+                 penalties=record.penalties(), prompt_lens=prompt_lens, **score_kw)  # fmt: skip
 
 
 __all__ = ["score_sampled"]

@@ -24,14 +24,13 @@ last stage's logprobs. Stages pass hidden states unchanged, so the bits are PP=1
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
 from isoexec.megatron.logprobs import (
+    effective_penalties,
     effective_temperature,
     effective_truncation,
     full_rows,
@@ -41,7 +40,9 @@ from isoexec.megatron.logprobs import (
     token_logprobs,
     vocab_size,
 )
+from isoexec.megatron.packing import Pack, pack_sequences, split_into_packs
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
+from isoexec.ops.penalties import Penalties, RowAdjustments, rows_for_sequences
 from isoexec.ops.truncation import Truncation
 
 TokenSeq = Sequence[int] | torch.Tensor
@@ -95,6 +96,7 @@ def _forward_logprobs(
     temperature: float,
     trunc: Truncation | None = None,
     rows: bool = False,
+    adjust: RowAdjustments | None = None,
 ) -> torch.Tensor:
     """Native path: one sequence, batch size 1, Megatron's default causal mask."""
     device = next(model.parameters()).device
@@ -105,8 +107,8 @@ def _forward_logprobs(
     def logprobs(logits: torch.Tensor) -> torch.Tensor:  # [1, n, V]
         logits = full_vocab(model, logits)[0]
         if rows:
-            return full_rows(logits, temperature, trunc)
-        return token_logprobs(logits, input_ids[0], temperature, trunc)
+            return full_rows(logits, temperature, trunc, adjust)
+        return token_logprobs(logits, input_ids[0], temperature, trunc, adjust)
 
     if not _pipelined(model):
         return logprobs(model(**inputs))
@@ -116,87 +118,38 @@ def _forward_logprobs(
     return broadcast_from_last_stage(lp)
 
 
-def _packs(lengths: list[int], max_tokens: int | None) -> list[list[int]]:
-    """Greedy split of sequence indices (in order) into packs of <= max_tokens tokens."""
-    if max_tokens is None:
-        return [list(range(len(lengths)))]
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-    packs: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > max_tokens:
-            packs.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        packs.append(cur)
-    return packs
-
-
-@dataclass(frozen=True)
-class _Pack:
-    """One packed forward's inputs, and which logit rows predict which next token."""
-
-    inputs: dict[str, Any]
-    length: int
-    rows: torch.Tensor
-    nxt: torch.Tensor
-    lens: list[int]
-
-
-def _pack(model: torch.nn.Module, seqs: list[torch.Tensor], pad_to_multiple: int | None) -> _Pack:
-    """Pack `seqs` into one [1, T] batch (padding, if asked, is one extra dummy sequence of
-    token 0 at the end, so it is its own attention segment)."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    device = next(model.parameters()).device
-    lens = [int(s.numel()) for s in seqs]
-    total = sum(lens)
-    pad = 0
-    if pad_to_multiple is not None:
-        if pad_to_multiple < 1:
-            raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
-        pad = -total % pad_to_multiple
-    parts = list(seqs) + ([torch.zeros(pad, dtype=torch.int64)] if pad else [])
-    bounds = lens + ([pad] if pad else [])
-    cu = torch.tensor([0, *torch.tensor(bounds).cumsum(0).tolist()], dtype=torch.int32)
-    ids = torch.cat(parts).to(device)
-    positions = torch.cat([torch.arange(n) for n in bounds]).to(device)
-    params = PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu.to(device),
-        cu_seqlens_kv=cu.to(device),
-        max_seqlen_q=max(bounds),
-        max_seqlen_kv=max(bounds),
-    )
-    # Rows predicting a next token of the same sequence, and that token.
-    rows = torch.cat([torch.arange(s, s + n - 1) for s, n in zip(cu.tolist(), lens, strict=False)])
-    nxt = torch.cat([torch.arange(s + 1, s + n) for s, n in zip(cu.tolist(), lens, strict=False)])
-    inputs = {
-        "input_ids": ids.unsqueeze(0),
-        "position_ids": positions.unsqueeze(0),
-        "attention_mask": None,
-        "packed_seq_params": params,
-    }
-    return _Pack(inputs, int(ids.numel()), rows.to(device), ids[nxt.to(device)], lens)
-
-
 def _pack_logprobs(
     model: torch.nn.Module,
-    pack: _Pack,
+    pack: Pack,
     logits: torch.Tensor,
     temperature: float,
     trunc: Truncation | None = None,
     whole_rows: bool = False,
+    adjust: RowAdjustments | None = None,
 ) -> list[torch.Tensor]:
     """Per sequence fp32 [n-1] logprobs (`whole_rows`: [n-1, V] processed rows) from the
     pack's [1, T, vocab(/TP)] logits."""
     rows = full_vocab(model, logits)[0][pack.rows]
-    lp = site_logprobs(model, rows, None if whole_rows else pack.nxt, temperature, trunc)
+    nxt = None if whole_rows else pack.nxt
+    lp = site_logprobs(model, rows, nxt, temperature, trunc, adjust)
     return list(lp.split([n - 1 for n in pack.lens]))
+
+
+def _adjustments(
+    model: torch.nn.Module,
+    seqs: Sequence[torch.Tensor],
+    penalties: Penalties | None,
+    prompt_lens: Sequence[int] | None,
+) -> RowAdjustments | None:
+    """The rows' canonical logit adjustments (None: off), built on the model's device."""
+    if penalties is None:
+        return None
+    device = next(model.parameters()).device
+    return rows_for_sequences(penalties, seqs, prompt_lens, vocab_size(model), device)
+
+
+def _one(prompt_len: int | None) -> list[int] | None:
+    return None if prompt_len is None else [prompt_len]
 
 
 def packed_logprobs(
@@ -207,21 +160,26 @@ def packed_logprobs(
     pad_to_multiple: int | None = None,
     truncation: Truncation | None = None,
     whole_rows: bool = False,
+    penalties: Penalties | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
+    `penalties` (with each sequence's prompt length): the logit adjustments they were sampled
+    with (`isoexec.ops.penalties`).
 
     Keeps the autograd graph (used by `train_step` and `policy_logprobs`). At PP>1 it runs
     through the pipeline schedule, forward only, and returns detached logprobs.
     """
     if not is_isoexec(model):
         raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
-    pack = _pack(model, seqs, pad_to_multiple)
+    pack = pack_sequences(model, seqs, pad_to_multiple)
+    adjust = _adjustments(model, seqs, penalties, prompt_lens)
     if not _pipelined(model):
         logits = model(**pack.inputs)
-        return _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows)
+        return _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows, adjust)
 
     def last(logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        lps = _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows)
+        lps = _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows, adjust)
         return logits.sum() * 0, [lp.detach() for lp in lps]
 
     return broadcast_from_last_stage(
@@ -239,7 +197,7 @@ def _pipeline_unit_grads(
     backward through Megatron's schedule, the gradients read from `.grad` (zeroed first)."""
     for p in params:
         p.grad = None
-    pack = _pack(model, seqs, None)
+    pack = pack_sequences(model, seqs, None)
 
     def last(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
         loss = -torch.cat(_pack_logprobs(model, pack, logits, 1.0)).sum() / total
@@ -263,10 +221,15 @@ def score(
     pad_to_multiple: int | None = None,
     truncation: Truncation | None = None,
     full_vocab: bool = False,
+    penalties: Penalties | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Per-token logprobs (fp32, length n-1) of each sequence at `temperature`; no gradients,
     eval mode (restored afterwards). `truncation`: the top-k / top-p / min-p the sequences
     were sampled with; the logprobs are then renormalised over each position's kept set.
+    `penalties`: the penalties, logit bias and allowed tokens they were sampled with, applied
+    before temperature from each position's history; `prompt_lens[i]` is where sequence i's
+    sampled tokens begin (needed for the penalties).
     `full_vocab`: each position's whole processed row instead ([n-1, V], -inf outside the
     kept set), for KL and entropy terms; what an engine returns with logprobs=-1.
 
@@ -279,6 +242,9 @@ def score(
     all_ids = [_as_ids(s, vocab) for s in sequences]
     t = effective_temperature(temperature, model)
     trunc = effective_truncation(truncation, temperature, model)
+    pens = effective_penalties(penalties, model)
+    if prompt_lens is not None and len(prompt_lens) != len(all_ids):
+        raise ValueError(f"{len(prompt_lens)} prompt lengths for {len(all_ids)} sequences")
     iso = is_isoexec(model)
     if not iso and (max_tokens is not None or pad_to_multiple is not None):
         raise ValueError("max_tokens / pad_to_multiple pack sequences: isoexec models only")
@@ -288,11 +254,15 @@ def score(
         with torch.no_grad():
             if not iso:
                 _check_equal_forwards_over_ep(model, len(all_ids))
+                lens = prompt_lens or [None] * len(all_ids)
                 return [
-                    _forward_logprobs(model, ids, t, trunc, full_vocab).cpu() for ids in all_ids
+                    _forward_logprobs(
+                        model, ids, t, trunc, full_vocab, _adjustments(model, [ids], pens, _one(p))
+                    ).cpu()
+                    for ids, p in zip(all_ids, lens, strict=True)
                 ]
             out: list[torch.Tensor] = [torch.empty(0)] * len(all_ids)
-            packs = _packs([int(i.numel()) for i in all_ids], max_tokens)
+            packs = split_into_packs([int(i.numel()) for i in all_ids], max_tokens)
             _check_equal_forwards_over_ep(model, len(packs))
             for pack in packs:
                 lps = packed_logprobs(
@@ -302,6 +272,8 @@ def score(
                     pad_to_multiple=pad_to_multiple,
                     truncation=trunc,
                     whole_rows=full_vocab,
+                    penalties=pens,
+                    prompt_lens=None if prompt_lens is None else [prompt_lens[i] for i in pack],
                 )
                 for i, lp in zip(pack, lps, strict=True):
                     out[i] = lp.cpu()
@@ -364,7 +336,7 @@ def train_step(
             params = [p for p in model.parameters() if p.requires_grad]
         params = list(params)
         kept = [ids for ids in all_ids if ids.numel() >= 2]
-        packs = _packs([int(i.numel()) for i in kept], max_tokens)
+        packs = split_into_packs([int(i.numel()) for i in kept], max_tokens)
         if expert_parallel:
             units = [[kept[i] for i in pack] for pack in packs]
             grads, loss_sum = expert_parallel_grads(model, params, units, total, packed_logprobs)
@@ -465,8 +437,11 @@ def policy_logprobs(
     sequences: Sequence[TokenSeq],
     temperature: float = 1.0,
     truncation: Truncation | None = None,
+    penalties: Penalties | None = None,
+    prompt_lens: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
-    """Per-token logprobs that keep the autograd graph (for policy-gradient losses).
+    """Per-token logprobs that keep the autograd graph (for policy-gradient losses); the
+    sampling settings as in `score`.
 
     isoexec models: one packed forward through the canonical ops (the same bits as `score`);
     native models: one sequence per forward, Megatron's own path.
@@ -474,7 +449,15 @@ def policy_logprobs(
     vocab = vocab_size(model)
     ids = [_as_ids(s, vocab) for s in sequences]
     trunc = effective_truncation(truncation, temperature, model)
+    pens = effective_penalties(penalties, model)
     temperature = effective_temperature(temperature, model)
     if is_isoexec(model):
-        return packed_logprobs(model, ids, temperature, truncation=trunc)
-    return [_forward_logprobs(model, i, temperature, trunc) for i in ids]
+        return packed_logprobs(
+            model, ids, temperature, truncation=trunc, penalties=pens, prompt_lens=prompt_lens
+        )
+    lens = prompt_lens or [None] * len(ids)
+    return [
+        _forward_logprobs(model, i, temperature, trunc, False,
+                          _adjustments(model, [i], pens, _one(p)))
+        for i, p in zip(ids, lens, strict=True)
+    ]  # fmt: skip

@@ -2,8 +2,8 @@
 point (`logits_processors=[ADMISSION]`, which the launcher and the engine harness pass).
 
 A MATCH promises bitwise logprobs for what the contract describes. A request setting or an
-engine setting that changes the sampled distribution without the contract knowing (a logit
-bias, a penalty, an adapter, a config override) would give a MATCH whose bits differ — the
+engine setting that changes the sampled distribution without the contract knowing (a
+grammar, bad words, a config override) would give a MATCH whose bits differ — the
 one outcome the contract exists to prevent. So settings are checked against an allow-list,
 not a deny-list: a field vLLM adds tomorrow is refused until someone puts it on the list.
 
@@ -27,6 +27,8 @@ from isoexec.vllm.engine_kwargs import ADMISSION
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+_ADJUSTMENT = "canonical adjustment (isoexec.ops.penalties); the trainer scores with the same"
+
 # SamplingParams fields a request may set to any value, and why that leaves the bits alone or
 # is what the trainer is told. Every other field must be at its default (or a neutral value).
 ALLOWED_REQUEST_FIELDS: Mapping[str, str] = {
@@ -35,6 +37,11 @@ ALLOWED_REQUEST_FIELDS: Mapping[str, str] = {
     "top_k": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
     "top_p": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
     "min_p": "canonical truncation (isoexec.ops.truncation); the trainer scores with the same",
+    "presence_penalty": _ADJUSTMENT,
+    "frequency_penalty": _ADJUSTMENT,
+    "repetition_penalty": _ADJUSTMENT,
+    "logit_bias": _ADJUSTMENT,
+    "allowed_token_ids": _ADJUSTMENT,
     "seed": "picks which token is drawn, not its logprob",
     "max_tokens": "where generation stops",
     "stop": "where generation stops",
@@ -69,24 +76,13 @@ _NEUTRAL: Mapping[str, tuple[Any, ...]] = {
 # Why a refused field changes the bits, for the message (fields not named here: "not on the
 # allow-list").
 _REFUSAL_REASONS: Mapping[str, str] = {
-    "presence_penalty": "changes the logits by the tokens generated so far",
-    "frequency_penalty": "changes the logits by the tokens generated so far",
-    "repetition_penalty": "changes the logits by the tokens generated so far",
     "min_tokens": "masks the stop tokens for the first tokens",
-    "logit_bias": "adds a bias to the logits",
-    "allowed_token_ids": "masks every other token",
     "bad_words": "masks tokens",
     "structured_outputs": "masks tokens by a grammar",
     "thinking_token_budget": "forces tokens",
     "watermarking": "changes the sampled distribution",
     "extra_args": "arguments for custom logits processors",
 }
-
-_GENERATION_CONFIG_HINT = (
-    " If the request did not set it, it is a default from the model's generation_config.json: "
-    "serve with `--generation-config vllm` (what `isoexec engine serve` passes unless told "
-    "otherwise) or set it to its neutral value in the request."
-)
 
 
 class SettingRefusedError(ValueError):
@@ -119,10 +115,9 @@ def check_request(params: SamplingParams) -> None:
         return
     reasons = {k: _REFUSAL_REASONS.get(k, "not on the allow-list") for k in refused}
     parts = [f"{k}={v!r} ({reasons[k]})" for k, v in refused.items()]
-    hint = _GENERATION_CONFIG_HINT if "repetition_penalty" in refused else ""
     raise SettingRefusedError(
         "IsoExec refuses this request: " + "; ".join(parts) + ". The trainer would score a "
-        "distribution other than the one sampled (allowed settings: docs/reliability.md)." + hint
+        "distribution other than the one sampled (allowed settings: docs/reliability.md)."
     )
 
 

@@ -294,6 +294,7 @@ class _Handler:
                 prompt_logprobs=0 if s.prompt_logprobs else None,
                 detokenize=False,
                 ignore_eos=True,
+                **(s.penalties.sampling_params() if s.penalties is not None else {}),
                 **dict(s.extra),
             )
             for s in specs

@@ -8,6 +8,7 @@ from typing import Any
 
 from isoexec.contract.options import IsoExecOptions
 from isoexec.handshake.served import ServedHandshake
+from isoexec.ops.penalties import Penalties
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,8 @@ class SamplingSpec:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    # Penalties, logit bias and allowed tokens (canonical: `isoexec.ops.penalties`).
+    penalties: Penalties | None = None
     # Further `SamplingParams` fields, as (name, value) pairs (hashable), e.g. a logit bias:
     # how a test asks for a setting the admission check must refuse.
     extra: tuple[tuple[str, Any], ...] = ()

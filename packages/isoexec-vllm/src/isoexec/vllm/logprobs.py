@@ -12,6 +12,11 @@ vLLM's: the sampler masks the logits to the canonical kept set, then lets vLLM d
 with its own truncation switched off (vLLM's top-k keeps ties, its top-p sums in a kernel's
 order, its min-p is a logits processor: none of them is what the trainer computes). The
 returned logprobs are renormalised over the kept set, as the trainer scores them.
+
+Before temperature, the allowed-token mask, the logit bias and the repetition, frequency and
+presence penalties are IsoExec's canonical adjustments (`isoexec.ops.penalties`), in vLLM's
+order, in place of vLLM's own mask, bias processor and penalty kernel; the trainer applies the
+same function to the same history.
 """
 
 from __future__ import annotations
@@ -27,12 +32,16 @@ from isoexec.contract.impl import ImplInfo
 from isoexec.contract.options import LOGPROBS_MODES
 from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.ops.binding import bind
+from isoexec.ops.penalties import RowAdjustments, batch_history
 from isoexec.ops.truncation import RowTruncation
 from isoexec.vllm.engine_binding import engine_binding, engine_options
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.patches import V2_RUNNER_ENV, rebind_sampler
 from vllm.v1.sample.logits_processor import LogitsProcessors
-from vllm.v1.sample.logits_processor.builtin import MinPLogitsProcessor
+from vllm.v1.sample.logits_processor.builtin import (
+    LogitBiasLogitsProcessor,
+    MinPLogitsProcessor,
+)
 from vllm.v1.sample.sampler import Sampler
 
 LOGPROBS_MODE = "processed_logprobs"  # vLLM's default for IsoExec engines (harness, serve)
@@ -83,6 +92,33 @@ def request_truncation(sampling_metadata: Any) -> tuple[RowTruncation | None, An
     return rows, vllm_md
 
 
+def request_adjustments(sampling_metadata: Any, vocab: int, device: Any) -> RowAdjustments | None:
+    """This batch's per-row logit adjustments (None: no row has one), read from what vLLM
+    gathered for its own: the allowed-token mask, its logit-bias processor's per-row biases,
+    the penalties and the prompt and output tokens."""
+    md = sampling_metadata
+    bias = None
+    procs = [p for p in md.logitsprocs.non_argmax_invariant
+             if isinstance(p, LogitBiasLogitsProcessor) and p.biases]  # fmt: skip
+    if procs:
+        pairs = [(r, t, b) for r, row in sorted(procs[0].biases.items())
+                 for t, b in sorted(row.items())]  # fmt: skip
+        rows, ids, values = zip(*pairs, strict=True)
+        bias = (
+            torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device),
+        )
+    banned = md.allowed_token_ids_mask
+    if md.no_penalties:
+        if banned is None and bias is None:
+            return None
+        return RowAdjustments(banned=banned, bias=bias)
+    seen, counts = batch_history(md.prompt_token_ids, md.output_token_ids, vocab)
+    return RowAdjustments(banned, bias, seen, counts, md.repetition_penalties,
+                          md.frequency_penalties, md.presence_penalties)  # fmt: skip
+
+
 _BUILT: IsoSampler | None = None
 
 
@@ -125,6 +161,26 @@ class IsoSampler(Sampler):
     def compute_logprobs(self, logits: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """Raw (T=1) logprobs, used by vLLM for prompt logprobs (through `self.sampler`)."""
         return self.ops.log_softmax(logits)
+
+    def apply_logits_processors(  # type: ignore[override]
+        self, logits: torch.Tensor, sampling_metadata: Any, predict_bonus_token: bool
+    ) -> torch.Tensor:
+        """vLLM's steps before sampling, with the canonical adjustments in place of its
+        allowed-token mask, logit-bias processor and penalties. What IsoExec cannot reproduce
+        is refused at admission; reaching here with it is a bug, refused again."""
+        md = sampling_metadata
+        if predict_bonus_token or md.bad_words_token_ids:
+            raise UnsupportedSiteError(
+                "speculative decoding and bad_words are not canonical (admission refuses them)"
+            )
+        holder = md.thinking_budget_state_holder
+        if holder is not None and holder.has_tracked_requests():
+            raise UnsupportedSiteError("a thinking-token budget is not canonical")
+        for proc in md.logitsprocs.non_argmax_invariant:
+            if not isinstance(proc, LogitBiasLogitsProcessor):
+                logits = proc.apply(logits)  # vLLM's min-tokens (admission: never active)
+        adjust = request_adjustments(md, logits.shape[-1], logits.device)
+        return logits if adjust is None else self.ops.adjust_logits(logits, adjust)
 
     def sample(
         self,

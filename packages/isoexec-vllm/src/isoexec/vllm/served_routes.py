@@ -55,7 +55,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from isoexec.contract.protocol import SAMPLING_EPS
 from isoexec.handshake.served import (
     ADAPTER_CONFIG_HEADER,
     ADAPTER_NAME_HEADER,
@@ -63,15 +62,14 @@ from isoexec.handshake.served import (
     CANARY_ROUTE,
     FINGERPRINT_HEADER,
     OFFER_ROUTE,
-    SAMPLING_HEADER,
     STATUS_ROUTE,
     VERSION_HEADER,
     WEIGHTS_ROUTE,
-    SamplingRecord,
     ServedHandshake,
     ServedHandshakeError,
 )
 from isoexec.vllm.served_handshake import served_handshake
+from isoexec.vllm.served_sampling import serving_models, with_sampling_record
 from isoexec.vllm.weight_versions import (
     PrefixCacheResetError,
     WeightPushBusyError,
@@ -143,7 +141,7 @@ async def isoexec_routes(request: Any, call_next: Callable[[Any], Awaitable[Any]
         if token is None or path in UNGATED:
             if path in SAMPLED and request.method == "POST":
                 versions = GATE.versions
-                return await _with_sampling_record(
+                return await with_sampling_record(
                     request, call_next, versions.version, versions.fingerprint
                 )
             return await call_next(request)
@@ -281,7 +279,7 @@ async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) ->
 
     try:
         if request.url.path in SAMPLED and request.method == "POST":
-            response = await _with_sampling_record(request, call_next, version, fingerprint)
+            response = await with_sampling_record(request, call_next, version, fingerprint)
         else:
             response = await call_next(request)
     except BaseException:
@@ -301,49 +299,6 @@ async def _admitted(request: Any, call_next: Callable[[Any], Awaitable[Any]]) ->
 
     response.body_iterator = counted()
     return response
-
-
-async def _with_sampling_record(
-    request: Any, call_next: Callable[[Any], Awaitable[Any]], version: int, fingerprint: str | None
-) -> Any:
-    """The response, with what its completions were sampled with in `SAMPLING_HEADER`: the
-    request's temperature and truncation, each the request's value, else the model's
-    generation-config default, else vLLM's neutral value (vLLM's own rule), with the logprobs
-    mode and the weights version and fingerprint it was admitted under."""
-    import json
-
-    model_config = request.app.state.vllm_config.model_config
-    try:
-        body = json.loads(await request.body() or b"{}")
-    except ValueError:
-        return await call_next(request)  # vLLM answers a malformed body itself
-    if not isinstance(body, dict):
-        body = {}
-    defaults = model_config.get_diff_sampling_param()
-    effective = {}
-    for field, neutral in _RECORDED_SAMPLING.items():
-        value = body.get(field)
-        effective[field] = defaults.get(field, neutral) if value is None else value
-    name = body.get("model")
-    adapters = _serving_models(request).lora_requests
-    adapter = name if isinstance(name, str) and name in adapters else None
-    try:
-        if float(effective["temperature"]) < SAMPLING_EPS:  # greedy: vLLM drops truncation
-            effective.update(top_k=0, top_p=1.0, min_p=0.0)
-        record = SamplingRecord(float(effective["temperature"]), str(model_config.logprobs_mode),
-                                version, adapter, int(effective["top_k"]),
-                                float(effective["top_p"]), float(effective["min_p"]),
-                                fingerprint)  # fmt: skip
-    except (TypeError, ValueError):
-        return await call_next(request)  # a malformed value: vLLM's own validation answers
-    response = await call_next(request)
-    response.headers[SAMPLING_HEADER] = record.to_header()
-    return response
-
-
-# The request fields the record carries, and vLLM's value for each when neither the request nor
-# the model's generation config sets it.
-_RECORDED_SAMPLING = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
 
 
 async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: str) -> Any:
@@ -368,7 +323,7 @@ async def _canary(request: Any, engine: Any, settings: ServedHandshake, token: s
         return _json_error(400, 'the body must be {"weights_version": <int>, "adapter": ...}')
     lora = None
     if adapter is not None:
-        lora = _serving_models(request).lora_requests.get(adapter)
+        lora = serving_models(request).lora_requests.get(adapter)
         if lora is None:
             return _json_error(404, f"no adapter {adapter!r} is served (push it first)")
     if version != GATE.weights_version:
@@ -436,10 +391,6 @@ async def _reoffer(request: Any, engine: Any, settings: ServedHandshake, token: 
     return JSONResponse({"verdicts": verdicts})
 
 
-def _serving_models(request: Any) -> Any:
-    return request.app.state.openai_serving_models
-
-
 _ADAPTER_DIRS: list[str] = []  # kept for the server's life: vLLM re-reads an evicted adapter
 
 
@@ -468,7 +419,7 @@ async def _adapter(request: Any, engine: Any) -> Any:
     if not name or not fingerprint:
         return _json_error(400, f"the {ADAPTER_NAME_HEADER} and {FINGERPRINT_HEADER} headers "
                                 "are required")  # fmt: skip
-    models = _serving_models(request)
+    models = serving_models(request)
     if name in models.lora_requests:
         return _json_error(409, f"an adapter named {name!r} is served already: push each "
                                 "synced adapter under a new name")  # fmt: skip

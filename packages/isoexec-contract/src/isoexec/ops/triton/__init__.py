@@ -22,6 +22,7 @@ from isoexec.contract.impl import ImplInfo, code_closure, source_fingerprint
 from .. import _pointwise as _torch_pointwise
 from .. import gemm as _torch_gemm
 from .. import logprobs as _torch_logprobs
+from .. import penalties as _torch_penalties
 from .. import rope as _torch_rope
 from .. import truncation as _torch_truncation
 from . import _runtime, attention, elementwise, gdn, gemm, logprobs, moe, moe_grouped, norm
@@ -47,6 +48,7 @@ from .norm import gated_rms_norm, rms_norm
 
 # Truncation is a sort and a running sum over the kept prefix: the torch op on every backend.
 truncation_mask = _torch_truncation.truncation_mask
+adjust_logits = _torch_penalties.adjust_logits
 
 BACKEND = "triton"
 
@@ -111,8 +113,9 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[ModuleType, ...]]] = 
             "temperature": "fp32-div_rn",
             "mode": "processed_logprobs",
             "truncation": _torch_truncation.RULE,
+            "adjust": _torch_penalties.RULE,
         },
-        (logprobs, _torch_truncation, _torch_pointwise),
+        (logprobs, _torch_truncation, _torch_penalties, _torch_pointwise),
     ),
     "logprobs_vocab_parallel": (
         "isoexec.logprobs.triton_vocab_leaves",
@@ -176,6 +179,7 @@ TRITON_REGISTRY: MappingProxyType[str, ImplInfo] = MappingProxyType(
 __all__ = [
     "BACKEND",
     "TRITON_REGISTRY",
+    "adjust_logits",
     "apply_rope",
     "attention_paged",
     "attention_varlen",
