@@ -36,7 +36,10 @@ MAX_TOKENS = 6
 REFUSED: dict[str, dict[str, Any]] = {
     "min_tokens": {"extra_body": {"min_tokens": 2}},
     "bad_words": {"extra_body": {"bad_words": ["x"]}},
-}
+    # Valid settings, but a record too large for an HTTP header (a client reads 16 KiB).
+    "sampling record": {"logit_bias": {str(i): -1.25 for i in range(500)},
+                        "extra_body": {"allowed_token_ids": list(range(500))}},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +156,11 @@ def test_refused_settings_get_400_alone_and_good_requests_stay_bitwise(
         running_log = log.read_text()  # before shutdown (which reports the engine stopping)
 
     for name, message in refused.items():
-        assert "Error code: 400" in message and f"{name}=" in message, (name, message)
-        assert "IsoExec refuses this request" in message
+        assert "Error code: 400" in message and "IsoExec refuses this request" in message
+        if name == "sampling record":
+            assert "would be" in message and "at most 8192" in message, message
+        else:
+            assert f"{name}=" in message, (name, message)
     trainer = trainer_factory(release_model, "float32", isoexec=True)
     shipped = answers[0].isoexec_record  # a request naming nothing: the model's defaults
     assert (shipped.temperature, shipped.top_k, shipped.top_p) == (0.6, 20, 0.95), shipped

@@ -87,8 +87,15 @@ def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() 
     assert SamplingRecord.from_header(record.to_header()) == record
     truncated = SamplingRecord(0.6, "processed_logprobs", 2, None, 20, 0.95, 0.05, "ab" * 32)
     assert SamplingRecord.from_header(truncated.to_header()) == truncated
+    adjusted = SamplingRecord(1.0, "processed_logprobs", 0, None, 0, 1.0, 0.0, None, 1.05, 0.5,
+                              -0.25, ((3, 2.0), (9, -100.0)), (1, 3, 9))  # fmt: skip
+    assert SamplingRecord.from_header(adjusted.to_header()) == adjusted
+    assert adjusted.penalties().logit_bias == ((3, 2.0), (9, -100.0))
     full = ('"weights_version": 0, "adapter": null, "top_p": 1.0, "min_p": 0.0, '
-            '"weights_fingerprint": null')  # fmt: skip
+            '"weights_fingerprint": null, "repetition_penalty": 1.0, "frequency_penalty": 0.0, '
+            '"presence_penalty": 0.0, "logit_bias": [], "allowed_token_ids": null')  # fmt: skip
+    good = '{"temperature": 1, "logprobs_mode": "x", "top_k": 0, ' + full + "}"
+    assert SamplingRecord.from_header(good).penalties().active is False  # the control
     bad_headers = [
         None, "", "{", "[]", '{"temperature": 1.0}',
         '{"temperature": "hot", "logprobs_mode": "x", "weights_version": 0}',
@@ -98,6 +105,14 @@ def test_sampling_record_round_trips_and_refuses_what_is_missing_or_malformed() 
         '{"temperature": 1, "logprobs_mode": "x", ' + full + '}',
         '{"temperature": 1, "logprobs_mode": "x", "top_k": 0, '
         + full.replace('"weights_fingerprint": null', '"weights_fingerprint": 7') + '}',
+        good.replace('"repetition_penalty": 1.0', '"repetition_penalty": 0.0'),
+        good.replace('"logit_bias": []', '"logit_bias": [[9, 1.0], [3, 1.0]]'),  # unsorted
+        good.replace('"logit_bias": []', '"logit_bias": [[-1, 1.0]]'),
+        good.replace('"logit_bias": []', '"logit_bias": [[2.5, 1.0]]'),
+        good.replace('"logit_bias": []', '"logit_bias": {"3": 1.0}'),
+        good.replace('"allowed_token_ids": null', '"allowed_token_ids": []'),
+        good.replace('"allowed_token_ids": null', '"allowed_token_ids": "all"'),
+        good.replace('"presence_penalty": 0.0', '"presence_penalty": NaN'),
     ]  # fmt: skip
     for bad in bad_headers:
         with pytest.raises(SamplingRecordError):

@@ -208,7 +208,14 @@ TRUNCATION_TEST = (
     "integration/test_served_admission.py::"
     "test_refused_settings_get_400_alone_and_good_requests_stay_bitwise"
 )
-_TESTS_OF_ALLOWED = {"top_k": TRUNCATION_TEST, "top_p": TRUNCATION_TEST, "min_p": TRUNCATION_TEST}
+# The adjustments: the served test covers each of them; the engine matrix is
+# integration/test_trainer_engine.py, the sampler's own tests/vllm/test_sampler_penalties.py.
+_ADJUSTMENTS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                "allowed_token_ids")  # fmt: skip
+_TESTS_OF_ALLOWED = {
+    **{field: TRUNCATION_TEST for field in ("top_k", "top_p", "min_p")},
+    **{field: TRUNCATION_TEST for field in _ADJUSTMENTS},
+}
 
 
 def allow_list_markdown() -> str:
