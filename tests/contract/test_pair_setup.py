@@ -122,6 +122,27 @@ def test_pair_truncation_arguments_become_the_runs_truncation() -> None:
         pair.PairRun.from_args(parser.parse_args(["pair", "--top-p", "0"]), "/m")
 
 
+def test_pair_penalty_arguments_become_the_runs_penalties() -> None:
+    """--repetition/frequency/presence-penalty and --logit-bias: one `Penalties` every prompt
+    is sampled and scored with (the bias clamped as vLLM clamps it); none given is None; a
+    malformed bias map or a penalty outside its domain is refused."""
+    import argparse
+
+    from isoexec.ops.penalties import Penalties, PenaltiesError
+
+    parser = argparse.ArgumentParser()
+    pair.add_parser(parser.add_subparsers())
+    argv = ["pair", "--repetition-penalty", "1.1", "--presence-penalty", "0.5",
+            "--logit-bias", '{"7": 2.0, "3": 500}']  # fmt: skip
+    run = pair.PairRun.from_args(parser.parse_args(argv), "/m")
+    assert run.penalties == Penalties(1.1, 0.0, 0.5, ((3, 100.0), (7, 2.0)))
+    assert pair.PairRun.from_args(parser.parse_args(["pair"]), "/m").penalties is None
+    with pytest.raises(PenaltiesError, match="repetition_penalty"):
+        pair.PairRun.from_args(parser.parse_args(["pair", "--repetition-penalty", "0"]), "/m")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["pair", "--logit-bias", "[1, 2]"])
+
+
 def test_full_vocab_asks_the_engine_for_whole_rows_and_refuses_a_torchrun_trainer() -> None:
     import argparse
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from isoexec.contract.architectures import text_config
+from isoexec.ops.penalties import Penalties, PenaltiesError
 from isoexec.ops.truncation import Truncation, TruncationError
 from isoexec.tools.pair_args import PRESETS, add_parser
 from isoexec.tools.pair_lora import LoraArmError, attach_adapter, lora_handshake, lora_rank_for
@@ -101,6 +102,7 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
     prompts = make_prompts(run.num_prompts, vocab, run.seed)
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     truncs = None if run.truncation is None else [run.truncation] * len(prompts)
+    pens = None if run.penalties is None else [run.penalties] * len(prompts)
     arm = "isoexec" if isoexec else ("upstream-bi" if upstream_bi else "stock")
     lora_rank = None
     if run.lora is not None:
@@ -122,7 +124,7 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
             return _torchrun_arm(
                 engine, model_dir, dtype, isoexec=isoexec, options=options, tp=run.trainer_tp,
                 pp=run.trainer_pp, prompts=prompts, temps=temps, max_tokens=max_tokens,
-                timings=timings, device=device, truncation=run.truncation,
+                timings=timings, device=device, truncation=run.truncation, penalties=run.penalties,
             )  # fmt: skip
     with _started(engine_cfg, arm) as (engine, timings), megatron_parallel(device=device):
         model = build_model(model_dir, isoexec=isoexec, dtype=torch_dtype, options=options)
@@ -147,13 +149,17 @@ def run_arm(run: PairRun, *, isoexec: bool, upstream_bi: bool = False) -> ArmRes
             status = f"MATCH {contract.hash[:12]}"
         progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
         t0 = time.monotonic()
-        completions = sample(engine, prompts, temps, max_tokens, adapter, truncs, run.full_vocab)
+        completions = sample(
+            engine, prompts, temps, max_tokens, adapter, truncs, run.full_vocab, pens
+        )
         timings["sampling"] = time.monotonic() - t0
         progress(arm, "scoring the sampled sequences on the trainer")
         t0 = time.monotonic()
         with trainer_mode(upstream_bi):
-            train, eng = score_completions(model, completions, temps, truncs)
-            rows = score_full_rows(model, completions, temps, truncs) if run.full_vocab else None
+            train, eng = score_completions(model, completions, temps, truncs, penalties=pens)
+            rows = (
+                score_full_rows(model, completions, temps, truncs, pens) if run.full_vocab else None
+            )
         timings["scoring"] = time.monotonic() - t0
         fingerprints = weight_fingerprints(model, engine, adapter if isoexec else None)
         report = None
@@ -205,6 +211,7 @@ def _torchrun_arm(
     timings: dict[str, float],
     device: str = "cpu",
     truncation: Truncation | None = None,
+    penalties: Penalties | None = None,
 ) -> ArmResult:
     """The arm with a TP/PP>1 trainer on torchrun: the engine samples; the trainer ranks (isoexec:
     after each rank offered its own contract, beside every engine worker) score the samples.
@@ -217,14 +224,19 @@ def _torchrun_arm(
     arm = "isoexec" if isoexec else "stock"
     progress(arm, f"sampling {len(prompts)} prompts x {max_tokens} tokens")
     t0 = time.monotonic()
-    completions = sample(engine, prompts, temps, max_tokens, None, [truncation] * len(temps))
+    n = len(temps)
+    completions = sample(engine, prompts, temps, max_tokens, None, [truncation] * n,
+                         penalties=[penalties] * n)  # fmt: skip
     timings["sampling"] = time.monotonic() - t0
     levels = sorted(set(temps))
     cut = None if truncation is None else asdict(truncation)
     job: dict[str, Any] = {
         "model": model_dir, "dtype": dtype, "tp": tp, "pp": pp, "device": device,
         "isoexec": isoexec, "options": options.to_dict(),
-        "groups": [{"temperature": t, "truncation": cut, "seqs": _group(completions, temps, t)}
+        "groups": [{"temperature": t, "truncation": cut, "seqs": _group(completions, temps, t),
+                    "penalties": None if penalties is None else asdict(penalties),
+                    "prompt_lens": [len(c.prompt_token_ids)
+                                    for c, tc in zip(completions, temps, strict=True) if tc == t]}
                    for t in levels],
     }  # fmt: skip
     status, hashes, outcome = "n/a (stock arm)", {}, None
@@ -353,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # before anything starts (no model made, no engine)
         check_setup(args.device, args.backend, trainer_ranks=args.trainer_tp * args.trainer_pp)
         check_arms(args.arms.split(","), PairRun.from_args(args, ""))
-    except (PairSetupError, TruncationError) as e:
+    except (PairSetupError, TruncationError, PenaltiesError) as e:
         print(f"isoexec pair: {e}", flush=True)
         return 2
     out = Path(args.out)
@@ -392,6 +404,8 @@ def run(args: argparse.Namespace) -> int:
     results = [_run_named_arm(settings, arm) for arm in args.arms.split(",")]
     name = args.model or args.preset
     sampling = {} if settings.truncation is None else asdict(settings.truncation)
+    if settings.penalties is not None:
+        sampling.update({k: v for k, v in asdict(settings.penalties).items() if v})
     if settings.full_vocab:
         sampling["full_vocab"] = True
     table = format_table(name, args.dtype, results, sampling)

@@ -83,12 +83,30 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     return p
 
 
+def _bias_map(text: str) -> dict[int, float]:
+    import json
+
+    try:
+        raw = json.loads(text)
+        return {int(k): min(100.0, max(-100.0, float(v))) for k, v in raw.items()}
+    except (ValueError, TypeError, AttributeError) as e:
+        raise argparse.ArgumentTypeError(f"--logit-bias {text!r}: {e}") from None
+
+
 def add_truncation_args(p: argparse.ArgumentParser) -> None:
     """--top-k/--top-p/--min-p: every prompt is sampled with them and scored with them."""
     g = p.add_argument_group("truncated sampling (canonical on both sides: docs/ops.md)")
     g.add_argument("--top-k", type=int, default=0, help="top-k (0 or -1: off)")
     g.add_argument("--top-p", type=float, default=1.0, help="top-p (1.0: off)")
     g.add_argument("--min-p", type=float, default=0.0, help="min-p (0.0: off)")
+    g = p.add_argument_group("penalties and logit bias (canonical on both sides: docs/ops.md)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="(1.0: off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="(0.0: off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="(0.0: off)")
+    g.add_argument(
+        "--logit-bias", type=_bias_map, default=None, metavar="JSON",
+        help='a JSON map of token id to bias, e.g. \'{"5": 2.0}\' (vLLM clamps to [-100, 100])',
+    )  # fmt: skip
     p.add_argument(
         "--full-vocab",
         action="store_true",

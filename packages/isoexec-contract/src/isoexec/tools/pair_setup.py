@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from isoexec.ops.penalties import Penalties
 from isoexec.ops.truncation import Truncation
 
 DEVICES = ("cpu", "cuda")  # where the trainer runs (`megatron_parallel(device=)`)
@@ -32,6 +33,14 @@ def _truncation(args: Any) -> Truncation | None:
     cut = Truncation(getattr(args, "top_k", 0), getattr(args, "top_p", 1.0),
                      getattr(args, "min_p", 0.0))  # fmt: skip
     return cut if cut.active else None
+
+
+def _penalties(args: Any) -> Penalties | None:
+    pen = Penalties.of(getattr(args, "repetition_penalty", 1.0),
+                       getattr(args, "frequency_penalty", 0.0),
+                       getattr(args, "presence_penalty", 0.0),
+                       getattr(args, "logit_bias", None))  # fmt: skip
+    return pen if pen.active else None
 
 
 @dataclass(frozen=True)
@@ -53,6 +62,7 @@ class PairRun:
     out: Path | None = None  # where engine logs and traces go
     verbose: bool = False  # the engines' and the trainer's own logs on the console
     truncation: Truncation | None = None  # top-k/top-p/min-p every prompt is sampled with
+    penalties: Penalties | None = None  # penalties and logit bias every prompt is sampled with
     full_vocab: bool = False  # compare whole processed rows too (the engine: max_logprobs=-1)
 
     @property
@@ -76,6 +86,7 @@ class PairRun:
             trainer_tp=args.trainer_tp, trainer_pp=args.trainer_pp, backend=args.backend,
             device=args.device, lora=args.lora, locate=args.locate, out=Path(args.out),
             verbose=args.verbose, truncation=_truncation(args),
+            penalties=_penalties(args),
             full_vocab=getattr(args, "full_vocab", False),
         )  # fmt: skip
 

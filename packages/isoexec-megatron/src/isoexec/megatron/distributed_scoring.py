@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from isoexec.ops.penalties import Penalties
 from isoexec.ops.truncation import Truncation
 
 
@@ -78,10 +79,21 @@ def _run(job: dict[str, Any]) -> dict[str, Any]:
                 return out  # nothing is scored for a run that did not MATCH
         out["logprobs"] = [
             score(model, g["seqs"], temperature=float(g["temperature"]),
-                  truncation=Truncation(**g["truncation"]) if g.get("truncation") else None)
+                  truncation=Truncation(**g["truncation"]) if g.get("truncation") else None,
+                  penalties=_penalties(g.get("penalties")), prompt_lens=g.get("prompt_lens"))
             for g in job["groups"]
         ]  # fmt: skip
     return out
+
+
+def _penalties(fields: dict[str, Any] | None) -> Penalties | None:
+    """A group's penalties from the job's JSON (tuples came back as lists)."""
+    if not fields:
+        return None
+    allowed = fields.get("allowed_token_ids")
+    return Penalties(fields["repetition_penalty"], fields["frequency_penalty"],
+                     fields["presence_penalty"], tuple((t, b) for t, b in fields["logit_bias"]),
+                     None if allowed is None else tuple(allowed))  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> None:
