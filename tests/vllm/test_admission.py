@@ -112,7 +112,10 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
         "kv_cache_dtype": dict(kv_cache_dtype="fp8"),
         "logits_processors": dict(logits_processors=[admission.ADMISSION, "m:Other"]),
         "weight_transfer_config": dict(weight_transfer_config={"backend": "sparse_nccl"}),
-    }
+        "speculative decoding by 'draft_model'": dict(
+            speculative_config={"method": "draft_model", "model": dense_dir,
+                                "num_speculative_tokens": 2}),
+    }  # fmt: skip
     for name, kwargs in cases.items():
         try:
             cfg = _vllm_config(dense_dir, **kwargs)
@@ -124,6 +127,10 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
         with pytest.raises(SettingRefusedError, match="refuses to start this engine"):
             admission.IsoAdmission(cfg, None, False)  # type: ignore[arg-type]
     assert not admission.has_admission(_vllm_config(dense_dir))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    speculating = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
+                               speculative_config=ngram)  # fmt: skip
+    assert admission.refused_engine_settings(speculating) == []  # n-gram: canonical rows
 
 
 def test_hf_overrides_are_recorded_in_the_effective_config(dense_dir: str) -> None:
@@ -151,7 +158,7 @@ def test_hf_overrides_are_recorded_in_the_effective_config(dense_dir: str) -> No
         ["--fully-sharded-loras", "--enable-lora"],
         ["--quantization", "fp8"],
         ["--kv-cache-dtype=fp8"],
-        ["--speculative-config", "{}"],
+        ["--compilation-config", "{}"],
         ["--override-generation-config", '{"top_k": 5}'],
         ["--some-flag-vllm-adds-next-year", "1"],
         ["--logits-processors", "m:Other"],

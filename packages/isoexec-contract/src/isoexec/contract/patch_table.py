@@ -20,6 +20,12 @@ _ENGINE = (
     ("sampler", "vllm.v1.worker.gpu_model_runner.Sampler",
      "the model runner builds its sampler through this module-global name (the CPU runner "
      "inherits it); the sampler is not a CustomOp"),
+    ("rejection_sampler", "vllm.v1.worker.gpu_model_runner.RejectionSampler",
+     "under speculative decoding the model runner builds its rejection sampler through this "
+     "module-global name, as it does the sampler; it has no extension point"),
+    ("speculative_logitsprocs", "vllm.v1.worker.gpu_model_runner.build_logitsprocs",
+     "under speculation vLLM refuses every custom logits processor (it cannot apply them to "
+     "draft rows); IsoExec's admission check changes no logits and must still run"),
     ("v1_model_runner", "env VLLM_USE_V2_MODEL_RUNNER=0 (unless the user set it)",
      "on CUDA vLLM defaults to Model Runner V2, which builds its own sampler; V1 runs IsoExec's"),
     ("text_only_config_hook", "vllm.model_executor.models.config.MODELS_CONFIG_MAP[<VL arch>]",

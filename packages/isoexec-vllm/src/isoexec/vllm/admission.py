@@ -27,6 +27,10 @@ from isoexec.vllm.engine_kwargs import ADMISSION
 from vllm import SamplingParams
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
+# The speculative methods an IsoExec engine runs: drafts from the request's own tokens, verified
+# on canonical rows (`isoexec.vllm.spec_decode`).
+SPECULATIVE_METHODS = ("ngram",)
+
 _ADJUSTMENT = "canonical adjustment (isoexec.ops.penalties); the trainer scores with the same"
 
 # SamplingParams fields a request may set to any value, and why that leaves the bits alone or
@@ -130,8 +134,13 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
 
     model = vllm_config.model_config
     out = refused_lora_settings(vllm_config) + refused_graph_settings(vllm_config)
-    if vllm_config.speculative_config is not None:
-        out.append("speculative decoding: the verification forward is not canonical yet")
+    spec = vllm_config.speculative_config
+    if spec is not None and spec.method not in SPECULATIVE_METHODS:
+        out.append(
+            f"speculative decoding by {spec.method!r}: IsoExec verifies drafts on canonical "
+            f"rows for {', '.join(SPECULATIVE_METHODS)} only (its draft models are not IsoExec "
+            "models, and untested)"
+        )
     if model.quantization is not None:
         out.append(f"quantization={model.quantization!r}: the canonical ops run unquantized")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)

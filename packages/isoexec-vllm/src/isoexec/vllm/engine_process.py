@@ -266,6 +266,9 @@ class _Handler:
             kwargs["enable_chunked_prefill"] = True
         if config.max_logprobs is not None:
             kwargs["max_logprobs"] = config.max_logprobs
+        if config.speculative:
+            kwargs["speculative_config"] = dict(config.speculative)
+            kwargs["disable_log_stats"] = False  # its acceptance counters (`spec_decode_counts`)
         if config.lora is not None:
             kwargs["enable_lora"] = True
             kwargs["max_lora_rank"], kwargs["max_loras"] = config.lora
@@ -420,6 +423,12 @@ class _Handler:
     def weight_fingerprint(self, adapter: str | None = None) -> list[str]:
         """Each worker's weight fingerprint; with `adapter`, base + that adapter's."""
         return self.llm.collective_rpc("isoexec_weight_fingerprint", args=(adapter,))
+
+    def spec_decode_counts(self) -> tuple[int, int]:
+        """(draft tokens proposed, draft tokens accepted) so far: vLLM's own counters."""
+        counts = {m.name: getattr(m, "value", 0) for m in self.llm.get_metrics()}
+        return (int(counts.get("vllm:spec_decode_num_draft_tokens", 0)),
+                int(counts.get("vllm:spec_decode_num_accepted_tokens", 0)))  # fmt: skip
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())

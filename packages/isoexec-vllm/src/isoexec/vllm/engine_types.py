@@ -51,6 +51,9 @@ class EngineConfig:
     # LoRA (vLLM's `enable_lora`): None off, else (max_lora_rank, max_loras). The rank is the
     # padded rank of the canonical LoRA op, which the contract records.
     lora: tuple[int, int] | None = None
+    # vLLM's speculative_config as (key, value) pairs (hashable), e.g. (("method", "ngram"),
+    # ("num_speculative_tokens", 3)); empty: no speculation.
+    speculative: tuple[tuple[str, Any], ...] = ()
     # vLLM's max_logprobs (its default: 20); -1: whole rows may be asked for (`full_vocab`).
     max_logprobs: int | None = None
     # vLLM's worker_extension_cls by qualname; None: IsoExec's. An IsoExec engine takes only a

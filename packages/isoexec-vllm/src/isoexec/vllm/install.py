@@ -38,6 +38,7 @@ def install_plugin() -> None:
     )
     from isoexec.vllm.qwen3_5 import register_qwen3_5
     from isoexec.vllm.served_handshake import offer_when_loaded
+    from isoexec.vllm.spec_decode import install_rejection_sampler
     from isoexec.vllm.weight_gate import (
         on_first_load,
         register_gated_models,
@@ -53,6 +54,7 @@ def install_plugin() -> None:
     register_cuda_attention()  # CUDA: every decoder backend vLLM may pick, and CUSTOM
     register_qwen3_5(isoexec=True)  # IsoExec's own text-only Qwen3.5 classes (stock: torchvision)
     install_sampler()
+    install_rejection_sampler()  # speculative decoding verifies on canonical rows
     select_punica_wrapper(PUNICA_WRAPPER)  # LoRA adapters run the canonical LoRA op
     gate_adapter_loads(check_adapter_load)  # every adapter load needs MATCH and its fingerprint
     admit_lora_requests(check_request_adapter, record_added, record_removed)  # frontend

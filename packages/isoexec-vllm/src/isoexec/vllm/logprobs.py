@@ -92,31 +92,48 @@ def request_truncation(sampling_metadata: Any) -> tuple[RowTruncation | None, An
     return rows, vllm_md
 
 
-def request_adjustments(sampling_metadata: Any, vocab: int, device: Any) -> RowAdjustments | None:
-    """This batch's per-row logit adjustments (None: no row has one), read from what vLLM
-    gathered for its own: the allowed-token mask, its logit-bias processor's per-row biases,
-    the penalties and the prompt and output tokens."""
+def request_adjustments(
+    sampling_metadata: Any,
+    vocab: int,
+    device: Any,
+    rows: torch.Tensor | None = None,
+    outputs: list[list[int]] | None = None,
+) -> RowAdjustments | None:
+    """The per-row logit adjustments of logits rows (None: no row has one), read from what
+    vLLM gathered for its own: the allowed-token mask, its logit-bias processor's per-request
+    biases, the penalties and the prompt and output tokens. `rows`: the request of each row
+    (default: row i is request i); `outputs`: each row's tokens generated so far (default:
+    the requests' own; under speculation, a draft row's also counts the drafts before it)."""
     md = sampling_metadata
+    req = list(range(len(md.output_token_ids))) if rows is None else rows.tolist()
     bias = None
     procs = [p for p in md.logitsprocs.non_argmax_invariant
              if isinstance(p, LogitBiasLogitsProcessor) and p.biases]  # fmt: skip
     if procs:
-        pairs = [(r, t, b) for r, row in sorted(procs[0].biases.items())
-                 for t, b in sorted(row.items())]  # fmt: skip
-        rows, ids, values = zip(*pairs, strict=True)
-        bias = (
-            torch.tensor(rows, dtype=torch.int64, device=device),
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device),
-        )
+        biases = procs[0].biases
+        pairs = [(i, t, b) for i, r in enumerate(req) for t, b in sorted(biases.get(r, {}).items())]
+        if pairs:
+            r_ids, ids, values = zip(*pairs, strict=True)
+            bias = (
+                torch.tensor(r_ids, dtype=torch.int64, device=device),
+                torch.tensor(ids, dtype=torch.int64, device=device),
+                torch.tensor(values, dtype=torch.float32, device=device),
+            )
+    index = None if rows is None else rows.to(device)
     banned = md.allowed_token_ids_mask
+    if banned is not None and index is not None:
+        banned = banned[index]
     if md.no_penalties:
         if banned is None and bias is None:
             return None
         return RowAdjustments(banned=banned, bias=bias)
-    seen, counts = batch_history(md.prompt_token_ids, md.output_token_ids, vocab)
-    return RowAdjustments(banned, bias, seen, counts, md.repetition_penalties,
-                          md.frequency_penalties, md.presence_penalties)  # fmt: skip
+    prompts = md.prompt_token_ids if index is None else md.prompt_token_ids[index]
+    history = md.output_token_ids if outputs is None else outputs
+    seen, counts = batch_history(prompts, history, vocab)
+    pens = [md.repetition_penalties, md.frequency_penalties, md.presence_penalties]
+    if index is not None:
+        pens = [p[index] for p in pens]
+    return RowAdjustments(banned, bias, seen, counts, *pens)
 
 
 _BUILT: IsoSampler | None = None

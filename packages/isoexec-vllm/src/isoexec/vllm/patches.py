@@ -53,6 +53,24 @@ def rebind_sampler(sampler_cls: type) -> None:
     REGISTRY.apply("v1_model_runner", lambda: REGISTRY.set_env(V2_RUNNER_ENV, "0"))
 
 
+def rebind_rejection_sampler(sampler_cls: type, build_logitsprocs: Any) -> None:
+    """Make vLLM's (V1) model runner build `sampler_cls` as its speculative-decoding
+    rejection sampler, and its logits processors with `build_logitsprocs` (in the worker,
+    before the runner)."""
+    import vllm.v1.worker.gpu_model_runner as runner
+
+    _rebind("rejection_sampler", runner, "RejectionSampler", sampler_cls)
+    if not hasattr(runner, "build_logitsprocs"):
+        raise VllmVersionError(
+            f"vllm.v1.worker.gpu_model_runner.build_logitsprocs is gone (written for vLLM "
+            f"{WRITTEN_FOR_VLLM}): IsoExec cannot build its processors under speculation"
+        )
+    REGISTRY.apply(
+        "speculative_logitsprocs",
+        lambda: REGISTRY.set_attr(runner, "build_logitsprocs", build_logitsprocs),
+    )
+
+
 # vLLM's switch between its model runners (V2 builds its own sampler).
 V2_RUNNER_ENV = "VLLM_USE_V2_MODEL_RUNNER"
 

@@ -52,6 +52,8 @@ ALLOWED_FLAGS: Mapping[str, str] = {
     "--max-lora-rank": "recorded: the canonical LoRA op's padded rank",
     "--max-loras": "adapter slots: a row's bits depend on its own adapter only",
     "--max-cpu-loras": "an adapter cache size",
+    "--speculative-config": "n-gram drafts are verified on canonical rows (a verification "
+    "forward is a chunk; tested bitwise); other methods are refused by each worker",
 }
 
 # Refused flags whose reason is worth more than "not on the allow-list".
@@ -60,7 +62,6 @@ REFUSAL_REASONS: Mapping[str, str] = {
     "the gate after MATCH",
     "--fully-sharded-loras": "the adapter GEMMs would be split over TP ranks",
     "--lora-dtype": "adapters run in the model's dtype",
-    "--speculative-config": "the verification forward is not canonical yet",
     "--quantization": "the canonical ops run unquantized",
     "-q": "the canonical ops run unquantized",
     "--kv-cache-dtype": "the KV cache is kept in the model dtype",

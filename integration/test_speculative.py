@@ -1,0 +1,129 @@
+"""Speculative decoding (vLLM's n-gram proposer) under IsoExec, on real engines and a real
+Megatron trainer.
+
+The engine verifies k=3 drafts per step in one forward over k+1 positions, and vLLM's rejection
+rule decides which survive; IsoExec's rejection sampler (`isoexec.vllm.spec_decode`) gives it
+canonical rows. Checked here: drafts are accepted (the path is exercised, not skipped), every
+returned logprob (accepted, recovered and bonus tokens) is bitwise the trainer's scoring of the
+finished sequence with the request's settings, and a greedy request's tokens and bits are the
+same with and without speculation. Negative controls: the same completions scored without
+their settings differ, and an engine whose draft rows forget the drafts before them (a changed
+penalty history) is caught.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from isoexec.ops.penalties import Penalties
+from isoexec.ops.truncation import Truncation
+from isoexec.tools.pair_steps import sample, score_completions
+
+pytestmark = [pytest.mark.engine, pytest.mark.trainer]
+
+NGRAM = (("method", "ngram"), ("num_speculative_tokens", 3), ("prompt_lookup_max", 3),
+         ("prompt_lookup_min", 1))  # fmt: skip
+TOKENS = 24
+# Repetitive prompts, so the n-gram proposer has something to propose.
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [9, 10, 9, 10, 9, 10, 9],
+           [1, 2, 3, 1, 2, 3, 1, 2]] * 2  # fmt: skip
+TEMPS = [0.0, 0.0, 0.0, 1.0, 0.7, 0.9]
+# (min-p and logit bias: vLLM refuses them with speculation, per request; tested below.)
+TRUNCS: list[Truncation | None] = [
+    None, None, Truncation(top_k=5), None, Truncation(top_p=0.9), Truncation(top_k=20),
+]  # fmt: skip
+PENALTIES: list[Penalties | None] = [
+    # (penalties that favour repeats: the greedy request loops, so its drafts are accepted)
+    None, Penalties.of(repetition_penalty=0.7, frequency_penalty=-0.3), None,
+    Penalties.of(allowed_token_ids=range(0, 400)), Penalties.of(presence_penalty=0.2), None,
+]  # fmt: skip
+
+
+def _forget_drafts_in_histories(worker: Any) -> None:
+    """Injected into the worker: draft rows' penalty histories without the drafts before them."""
+    from isoexec.vllm import spec_decode
+
+    real = spec_decode._row_layout
+
+    def short(metadata: Any, outputs: Any, num_rows: int) -> Any:
+        req, _ = real(metadata, outputs, num_rows)
+        return req, [list(outputs[r]) if r < len(outputs) else [] for r in req]
+
+    spec_decode._row_layout = short
+
+
+def _spec_engine(engine_pool: Callable[..., Any], model: str) -> Any:
+    return engine_pool(model=model, dtype="float32", isoexec=True, speculative=NGRAM)
+
+
+def _score(trainer: Any, done: list[Any], temps: list[float] = TEMPS, settings: bool = True) -> Any:
+    if not settings:
+        return score_completions(trainer, done, temps)
+    return score_completions(trainer, done, temps, TRUNCS, penalties=PENALTIES)
+
+
+def test_speculated_tokens_are_bitwise_the_trainers(
+    tiny_dense_dir: str, engine_pool: Callable[..., Any], trainer_factory: Callable[..., Any]
+) -> None:
+    engine = _spec_engine(engine_pool, tiny_dense_dir)
+    before = engine.call("spec_decode_counts")
+    done = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    proposed, accepted = (a - b for a, b in zip(engine.call("spec_decode_counts"), before,
+                                                 strict=True))  # fmt: skip
+    print(f"n-gram drafts: {accepted}/{proposed} accepted")
+    assert proposed > 0 and accepted > 0  # the verification path ran, and kept drafts
+    trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
+    train, eng = _score(trainer, done)
+    assert train.numel() == TOKENS * len(PROMPTS)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+    plain, _ = _score(trainer, done, settings=False)
+    assert not torch.equal(plain, eng)  # negative control: scored without the settings
+
+    # The same greedy requests on an engine without speculation: the same tokens, the same bits.
+    plain_engine = engine_pool(model=tiny_dense_dir, dtype="float32", isoexec=True)
+    greedy = [0, 1, 2]
+    again = sample(plain_engine, [PROMPTS[i] for i in greedy], [0.0] * 3, TOKENS,
+                   truncations=[TRUNCS[i] for i in greedy],
+                   penalties=[PENALTIES[i] for i in greedy])  # fmt: skip
+    for i, c in zip(greedy, again, strict=True):
+        assert c.token_ids == done[i].token_ids, i
+        assert c.logprobs == done[i].logprobs, i
+
+
+@pytest.mark.parametrize(
+    "setting", [{"min_p": 0.1}, {"extra": (("logit_bias", {5: 1.0}),)}], ids=["min_p", "bias"]
+)
+def test_what_vllm_refuses_with_speculation_is_refused_per_request(
+    setting: dict[str, Any], tiny_dense_dir: str, engine_pool: Callable[..., Any]
+) -> None:
+    """vLLM's own frontend refuses min-p and logit bias with speculation (its rejection
+    sampler cannot apply them): that request alone, and the engine serves on."""
+    from isoexec.vllm.engine_process import EngineError
+    from isoexec.vllm.engine_types import SamplingSpec
+
+    engine = _spec_engine(engine_pool, tiny_dense_dir)
+    with pytest.raises(EngineError, match="not yet supported with speculative decoding"):
+        engine.generate([PROMPTS[0]], SamplingSpec(max_tokens=4, **setting))
+    assert len(engine.generate([PROMPTS[0]], SamplingSpec(max_tokens=4))[0].token_ids) == 4
+
+
+def test_negative_control_draft_rows_that_forget_the_drafts_are_caught(
+    tiny_dense_dir: str, engine_pool: Callable[..., Any], trainer_factory: Callable[..., Any]
+) -> None:
+    """A rejection sampler whose draft rows apply the penalties without the drafts before them
+    returns other bits for the penalised request, wherever a draft was accepted before a
+    position; the trainer's scoring catches it."""
+    engine = engine_pool(model=tiny_dense_dir, dtype="float32", isoexec=True, speculative=NGRAM,
+                         seed=1)  # its own engine: the injection stays in it  # fmt: skip
+    trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
+    good = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    assert torch.equal(*_score(trainer, good))
+    engine.call("collective_rpc", _forget_drafts_in_histories)
+    bad = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    train, eng = _score(trainer, bad)
+    assert not torch.equal(train, eng)
+    assert bad[0].logprobs == good[0].logprobs  # the request without settings: unchanged
