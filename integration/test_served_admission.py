@@ -187,7 +187,8 @@ def test_a_shipped_penalty_is_applied_and_recorded(
     tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
 ) -> None:
     """A model whose generation_config.json also ships a repetition penalty (Qwen2.5 shipped
-    1.05), served as it ships: a request naming nothing is sampled with every shipped default,
+    1.05), served as it ships, with n-gram speculation (`--speculative-config`, verified on
+    canonical rows): a request naming nothing is sampled with every shipped default,
     which its record says, and scored with that record it is bitwise. Negative control: the
     record without its penalty (what a trainer unaware of the shipped default computes) is not
     bitwise, on a request that turns the truncation off so that every prompt token is in the
@@ -206,7 +207,9 @@ def test_a_shipped_penalty_is_applied_and_recorded(
     (model / "generation_config.json").write_text(json.dumps({**gen, "repetition_penalty": 1.05}))
     (prompt,) = _prompts(str(model), 1)
     log = tmp_path / "server.log"
-    with served(str(model), stock=False, log=log, tokenizer=True) as url:
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    with served(str(model), stock=False, log=log, tokenizer=True,
+                vllm_args=("--speculative-config", ngram)) as url:  # and speculating  # fmt: skip
         shipped = _complete(url, str(model), prompt)
         untruncated = _complete(url, str(model), prompt, top_p=1.0, extra_body={"top_k": -1})
     trainer = trainer_factory(str(model), "float32", isoexec=True)
