@@ -99,7 +99,7 @@ def test_one_settings_object_for_the_run_the_report_and_the_cli(tmp_path: Path) 
     )
     assert run.settings() == {
         "family": "gdn", "size": "tiny", "dtype": "bfloat16", "reps": 3, "mode": "default",
-        "modes": ["default"], "trainer": True, "prompt_len": 32, "lora": False,
+        "modes": ["default"], "trainer": True, "prompt_len": 32, "lora": False, "speculative": 0,
         **bench.SIZES["tiny"],
     }  # fmt: skip
     assert run.engine_log("isoexec", "eager") == str(Path("d") / "engine-isoexec-eager.log")
@@ -111,9 +111,23 @@ def test_one_settings_object_for_the_run_the_report_and_the_cli(tmp_path: Path) 
         ({"reps": 0}, "--reps 0: at least 1"),
         ({"family": "moe", "lora": True}, "--lora runs on the dense family only"),
         ({"family": "gdn", "dtype": "float32"}, "runs in bfloat16 only"),
+        ({"speculative": -1}, "--speculative -1"),
+        ({"family": "gdn", "speculative": 3}, "--speculative runs dense and MoE"),
+        ({"lora": True, "speculative": 3}, "--speculative runs dense and MoE"),
     ]:
         with pytest.raises(bench.BenchSetupError, match=message):
             bench.BenchRun(**kwargs)
+
+
+def test_speculation_is_reported_with_its_speedup_and_drafts() -> None:
+    """`--speculative K`: the speedup is IsoExec speculating against IsoExec without, from the
+    same run's medians; the drafts each speculating arm proposed and accepted are reported."""
+    run = bench.BenchRun.from_args(parse("--speculative", "3", "--no-trainer"))
+    assert run.speculative == 3 and run.settings()["speculative"] == 3
+    runs = {"isoexec": [2.0, 2.0], "native": [1.0, 1.0], bench_report.PLAIN_ARM: [4.0, 4.0]}
+    spec = bench_report.speculation_result(3, runs, 64, {"isoexec": (30, 12), "native": (30, 9)})
+    assert spec["isoexec_speedup"] == 2.0 and spec["tokens_per_s"]["isoexec"] == 32.0
+    assert spec["drafts"]["native"] == {"proposed": 30, "accepted": 9}
 
 
 def test_missing_sides_trainer_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:

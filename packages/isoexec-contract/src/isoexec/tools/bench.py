@@ -43,9 +43,11 @@ from typing import Any
 from isoexec.tools.bench_report import (
     ARMS,
     MODE_LABELS,
+    PLAIN_ARM,
     PROFILE_TOTAL,
     engine_result,
     machine_info,
+    speculation_result,
     summary_lines,
     trainer_result,
     write_plot,
@@ -147,17 +149,31 @@ def bench_engine(
     kv = kv_cache_bytes(len(batch), tokens)
     eager = mode == "eager"
 
+    ngram = (
+        (
+            ("method", "ngram"),
+            ("num_speculative_tokens", run.speculative),
+            ("prompt_lookup_max", 3),
+            ("prompt_lookup_min", 1),
+        )
+        if run.speculative
+        else ()
+    )
+    # With speculation, a third engine: IsoExec without it (the speedup speculation brings).
+    arms = (*ARMS, PLAIN_ARM) if ngram else ARMS
+
     def config(arm: str) -> EngineConfig:
-        return EngineConfig(model=str(model), dtype=dtype, isoexec=arm == "isoexec",
+        return EngineConfig(model=str(model), dtype=dtype, isoexec=arm != "native",
                             kv_cache_bytes=kv, enforce_eager=eager,
                             log_file=run.engine_log(arm, mode),
+                            speculative=() if arm == PLAIN_ARM else ngram,
                             lora=None if lora is None else (LORA_RANK, 1))  # fmt: skip
 
-    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
     seqs: list[list[int]] = []
-    _progress(mode, "starting the IsoExec and the native engine")
+    _progress(mode, f"starting the engines: {', '.join(arms)}")
     t0 = time.monotonic()
-    with started_engines({arm: config(arm) for arm in ARMS}) as engines:
+    with started_engines({arm: config(arm) for arm in arms}) as engines:
         _progress(mode, f"engines ready in {time.monotonic() - t0:.1f} s; warming up")
         if adapter is not None:
             _add_bench_adapter(engines, adapter, dtype)
@@ -173,11 +189,17 @@ def bench_engine(
                 if arm == "isoexec":
                     seqs = [p + list(c.token_ids) for p, c in zip(batch, out, strict=True)]
             _progress(mode, f"rep {rep + 1}/{reps}: " + ", ".join(
-                f"{arm} {times[arm][-1]:.2f} s" for arm in ARMS))  # fmt: skip
+                f"{arm} {times[arm][-1]:.2f} s" for arm in arms))  # fmt: skip
+        drafts = {arm: engines[arm].call("spec_decode_counts") for arm in ARMS} if ngram else {}
     generated = sum(len(s) for s in seqs) - sum(len(p) for p in batch)
     # vLLM-CPU turns torch.compile off for LoRA engines (CpuPlatform.check_and_update_config)
     compiled = mode == "default" and lora is None
-    return engine_result(times, generated or len(batch) * tokens, mode, compiled=compiled), seqs
+    result = engine_result(times, generated or len(batch) * tokens, mode, compiled=compiled)
+    if ngram:
+        result["speculation"] = speculation_result(
+            run.speculative, times, generated or len(batch) * tokens, drafts
+        )
+    return result, seqs
 
 
 def _add_bench_adapter(engines: Mapping[str, Any], adapter: Any, dtype: str) -> None:
@@ -320,6 +342,10 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--lora", action="store_true",
                    help="both engine arms generate under a rank-8 adapter on every projection: "
                    "canonical LoRA vs vLLM's LoRA (dense; the engine only)")  # fmt: skip
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="both engine arms speculate with vLLM's n-gram drafts of K tokens; a "
+                   "third engine, IsoExec without speculation, gives the speedup speculation "
+                   "brings with IsoExec on (dense, MoE)")  # fmt: skip
     p.add_argument("--out", default=DEFAULT_OUT, help="where bench.json and bench.png go")
     p.add_argument("--verbose", action="store_true",
                    help="show the engines' and the trainer's own logs (by default the engine "

@@ -32,6 +32,7 @@ from isoexec.contract import strict_json
 RESULTS_FILE = "bench.json"
 PLOT_FILE = "bench.png"
 ARMS = ("isoexec", "native")
+PLAIN_ARM = "isoexec-no-speculation"  # `--speculative`: the third engine
 MODE_LABELS = {"default": "default (compiled)", "eager": "eager"}
 PROFILE_TOTAL = "total (fwd+bwd)"
 
@@ -147,6 +148,24 @@ def engine_result(
     }
 
 
+def speculation_result(
+    drafts_per_step: int,
+    runs_s: Mapping[str, list[float]],
+    tokens: int,
+    counts: Mapping[str, tuple[int, int]],
+) -> dict[str, Any]:
+    """`--speculative`: the speedup n-gram speculation gives IsoExec (its speculating engine
+    against its plain one, same run) and each speculating arm's drafts proposed and accepted."""
+    tps = {arm: tokens / _median(runs_s[arm]) for arm in (*ARMS, PLAIN_ARM)}
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": drafts_per_step,
+        "tokens_per_s": tps,
+        "isoexec_speedup": tps["isoexec"] / tps[PLAIN_ARM],
+        "drafts": {arm: {"proposed": p, "accepted": a} for arm, (p, a) in counts.items()},
+    }
+
+
 def trainer_result(
     runs_s: Mapping[str, list[float]], tokens: int, profile_s: Mapping[str, float]
 ) -> dict[str, Any]:
@@ -189,6 +208,16 @@ def summary_lines(doc: Mapping[str, Any]) -> list[str]:
             f"engine  {MODE_LABELS.get(mode, mode):<19} isoexec {t['isoexec']:9.1f} tok/s  "
             f"native {t['native']:9.1f} tok/s  overhead {e['overhead']:.2f}x"
         )
+        spec = e.get("speculation")
+        if spec:
+            d = spec["drafts"]["isoexec"]
+            lines.append(
+                f"        n-gram k={spec['num_speculative_tokens']}: IsoExec "
+                f"{spec['tokens_per_s']['isoexec']:.1f} tok/s speculating, "
+                f"{spec['tokens_per_s'][PLAIN_ARM]:.1f} without: speedup "
+                f"{spec['isoexec_speedup']:.2f}x ({d['accepted']}/{d['proposed']} drafts "
+                "accepted; both arms above speculate)"
+            )
     tr = doc.get("trainer")
     if tr:
         ms = tr["ms_per_token"]
@@ -275,6 +304,7 @@ def write_plot(out: Path, doc: Mapping[str, Any]) -> Path | None:
 
 __all__ = [
     "ARMS",
+    "PLAIN_ARM",
     "PLOT_FILE",
     "RESULTS_FILE",
     "cpu_model",
@@ -282,6 +312,7 @@ __all__ = [
     "git_commit",
     "machine_info",
     "machine_line",
+    "speculation_result",
     "summary_lines",
     "trainer_result",
     "write_plot",

@@ -55,6 +55,7 @@ class BenchRun:
     mode: str = "default"  # a key of `MODES`: the engine modes both arms run in
     trainer: bool = True  # also time the trainer (never with `lora`: the engine only)
     lora: bool = False  # both engine arms generate under a rank-8 adapter (dense only)
+    speculative: int = 0  # both engine arms speculate with n-gram drafts of this many tokens
     out: Path = field(default_factory=lambda: Path(DEFAULT_OUT))
     verbose: bool = False  # the engines' and the trainer's own logs on the console
 
@@ -68,6 +69,11 @@ class BenchRun:
             raise BenchSetupError(f"--reps {self.reps}: at least 1")
         if self.lora and self.family != "dense":
             raise BenchSetupError("--lora runs on the dense family only (LoRA on MoE is refused)")
+        if self.speculative < 0:
+            raise BenchSetupError(f"--speculative {self.speculative}: 0 (off) or more drafts")
+        if self.speculative and (self.lora or self.family == "gdn"):
+            raise BenchSetupError("--speculative runs dense and MoE without --lora (IsoExec's "
+                                  "GDN layer and LoRA engines refuse speculation)")  # fmt: skip
         if self.lora and self.trainer:
             object.__setattr__(self, "trainer", False)  # the adapter is timed on the engine
 
@@ -89,7 +95,8 @@ class BenchRun:
         return {
             "family": self.family, "size": self.size, "dtype": self.dtype, "reps": self.reps,
             "mode": self.mode, "modes": list(self.modes), "trainer": self.trainer,
-            "prompt_len": PROMPT_LEN, "lora": self.lora, **self.shape,
+            "prompt_len": PROMPT_LEN, "lora": self.lora, "speculative": self.speculative,
+            **self.shape,
         }  # fmt: skip
 
     @classmethod
@@ -98,7 +105,7 @@ class BenchRun:
         return cls(
             family=args.family, size=args.size, dtype=args.dtype, reps=args.reps,
             mode=args.mode, trainer=not args.no_trainer, lora=args.lora, out=Path(args.out),
-            verbose=args.verbose,
+            verbose=args.verbose, speculative=args.speculative,
         )  # fmt: skip
 
 
