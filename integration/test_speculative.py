@@ -53,7 +53,14 @@ def _forget_drafts_in_histories(worker: Any) -> None:
         req, _ = real(metadata, outputs, num_rows)
         return req, [list(outputs[r]) if r < len(outputs) else [] for r in req]
 
+    short.real = real  # type: ignore[attr-defined]
     spec_decode._row_layout = short
+
+
+def _restore_histories(worker: Any) -> None:
+    from isoexec.vllm import spec_decode
+
+    spec_decode._row_layout = spec_decode._row_layout.real  # type: ignore[attr-defined]
 
 
 def _spec_engine(engine_pool: Callable[..., Any], model: str) -> Any:
@@ -117,13 +124,15 @@ def test_negative_control_draft_rows_that_forget_the_drafts_are_caught(
     """A rejection sampler whose draft rows apply the penalties without the drafts before them
     returns other bits for the penalised request, wherever a draft was accepted before a
     position; the trainer's scoring catches it."""
-    engine = engine_pool(model=tiny_dense_dir, dtype="float32", isoexec=True, speculative=NGRAM,
-                         seed=1)  # its own engine: the injection stays in it  # fmt: skip
+    engine = _spec_engine(engine_pool, tiny_dense_dir)  # (the file's last use of it)
     trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
     good = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
     assert torch.equal(*_score(trainer, good))
     engine.call("collective_rpc", _forget_drafts_in_histories)
-    bad = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    try:
+        bad = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    finally:
+        engine.call("collective_rpc", _restore_histories)
     train, eng = _score(trainer, bad)
     assert not torch.equal(train, eng)
     assert bad[0].logprobs == good[0].logprobs  # the request without settings: unchanged
