@@ -188,7 +188,8 @@ class IsoSampler(Sampler):
         md = sampling_metadata
         if predict_bonus_token or md.bad_words_token_ids:
             raise UnsupportedSiteError(
-                "speculative decoding and bad_words are not canonical (admission refuses them)"
+                "a bonus-token call from vLLM's own rejection sampler (IsoExec's calls `sample` "
+                "on canonical rows: `spec_decode`), or bad_words (admission refuses it)"
             )
         holder = md.thinking_budget_state_holder
         if holder is not None and holder.has_tracked_requests():
