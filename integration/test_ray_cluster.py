@@ -355,6 +355,32 @@ def test_tp2_trainer_ranks_and_a_tp2_engine_on_two_more_nodes(cluster: ClusterUn
             cluster.nodes.remove_node(n)
 
 
+@pytest.mark.matrix  # CI time (two runs, two trainer ranks on 2 cores); -m matrix (README)
+def test_dp2_trainer_ranks_split_the_step_and_equal_dp1_bitwise(cluster: ClusterUnderTest) -> None:
+    """Two trainer ranks at TP=1 are two DP replicas: each computes half the step's packs
+    (`pack_tokens` 24: 4 packs, 2 per rank) and the step's weights are bitwise those of one
+    rank computing all 4 (the same completions: the engines sample with the same seed); then
+    a sync and the engine is bitwise the trainer again."""
+    node = cluster.nodes.add_node(num_cpus=2, resources={"dp_trainer_node": 1})
+    fingerprints, units = [], []
+    try:
+        for ranks in (1, 2):
+            spec = replace(_spec(cluster.tls, eager=True, run_id=f"ray-dp{ranks}"),
+                           trainer_ranks=ranks, pack_tokens=24,
+                           trainer_bundle={"CPU": 1, "dp_trainer_node": 0.5})  # fmt: skip
+            with RayRun(spec) as r:
+                r.handshake()
+                stats = r.train_step(r.generate(PROMPTS, SAMPLING), [1.0, -1.0, 0.5, -0.5])
+                units.append(stats["units"])
+                fingerprints.append(r.trainer_fingerprint())
+                r.sync_weights()
+                assert _bitwise(r)[0]
+    finally:
+        cluster.nodes.remove_node(node)
+    assert units == [4.0, 2.0]  # rank 0's share: all 4 packs alone, 2 of 4 beside a second rank
+    assert fingerprints[0] == fingerprints[1]
+
+
 @pytest.mark.matrix  # CI time (two more engines on 2 cores); run with -m matrix (README)
 def test_two_engines_on_two_more_nodes_take_disjoint_ranks(cluster: ClusterUnderTest) -> None:
     """Two engine actors, one per node (SPREAD): their workers offer as engine/0 and engine/1,

@@ -117,6 +117,17 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
             opt = torch.optim.SGD(model.parameters(), lr=0.5)
             if job.get("naive_dp"):
                 out["loss"] = naive_dp_train_step(model, opt, seqs, job["max_tokens"])
+            elif job.get("policy"):  # the clipped policy loss against given old logprobs
+                from isoexec.megatron.policy_loss import policy_train_step
+
+                pol = job["policy"]
+                old = [lp[n - 1 :].tolist() for lp, n in zip(out["logprobs"], pol["prompt_lens"],
+                                                               strict=True)]  # fmt: skip
+                out["policy"] = policy_train_step(
+                    model, opt, seqs, pol["prompt_lens"], old, pol["advantages"],
+                    temperature=pol.get("temperature", 1.0), max_tokens=job["max_tokens"],
+                )  # fmt: skip
+                out["loss"] = out["policy"]["loss"]
             else:
                 out["loss"] = train_step(model, opt, seqs, max_tokens=job.get("max_tokens"))
             out["logprobs_after_step"] = score(model, seqs)

@@ -51,6 +51,34 @@ def dp_results(
     return out
 
 
+# The policy step (GRPO's clipped loss, `policy_train_step`) on the same batch: each sequence's
+# completion starts at its prompt length; the behaviour logprobs are the model's own (ratio 1).
+POLICY = {"prompt_lens": [4, 3, 5, 4, 6, 3], "advantages": [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]}
+
+
+@pytest.fixture(scope="module")
+def policy_results(
+    model_factory: Callable[[str, str], str], run_tp_jobs: Callable[..., list[dict[str, Any]]]
+) -> dict[int, dict[str, Any]]:
+    job = dict(
+        model=model_factory("tiny-dense", "float32"), dtype="float32", tp=1, isoexec=True,
+        train=True, export_after_step=True, max_tokens=MAX_TOKENS, policy=POLICY,
+    )  # fmt: skip
+    return {dp: run_tp_jobs([job], SEQS, nproc=dp)[0] for dp in (1, 2)}
+
+
+def test_the_policy_step_splits_over_dp_and_equals_dp1_bitwise(policy_results: dict) -> None:
+    """DP=2 ranks each compute half the packs (2 of 4) of the clipped policy loss, and the
+    step is bitwise DP=1's; the ratio before the update is exactly 1 (old = the model's own)."""
+    one, two = policy_results[1], policy_results[2]
+    assert (one["policy"]["units"], two["policy"]["units"]) == (4.0, 2.0)
+    assert _weights_equal(one["weights_after_step"], two["weights_after_step"])
+    assert one["policy"]["loss"] == pytest.approx(two["policy"]["loss"], abs=1e-7)
+    assert one["policy"]["ratio_dev_max"] == 0.0 == two["policy"]["ratio_dev_max"]
+    before = torch.cat(one["logprobs"])
+    assert not torch.equal(before, torch.cat(one["logprobs_after_step"]))  # it stepped
+
+
 def _weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 

@@ -105,6 +105,7 @@ class TrainerActor:
         self.spec, self.rank, self.world, self.lr = spec, rank, world, lr
         self._stack = contextlib.ExitStack()
         self.model: Any = None
+        self.splits_over_dp = False
 
     def identity(self) -> RuntimeIdentity:
         return RuntimeIdentity.here()
@@ -139,6 +140,7 @@ class TrainerActor:
                                  options=self.spec.options)  # fmt: skip
         load_hf_weights(self.model, self.model_dir)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
+        self.splits_over_dp = self.spec.isoexec and pp == 1 and ep == 1  # `train_step`
         return self.rank
 
     def offer(
@@ -176,11 +178,25 @@ class TrainerActor:
     def train_step(
         self, sequences: list[list[int]], prompt_lens: list[int], old: list[list[float]],
         advantages: list[float], temperature: float = 1.0, clip: float = 0.2,
+        pack_tokens: int | None = None,
     ) -> dict[str, float]:  # fmt: skip
         """One clipped policy-gradient step (GRPO's loss) against the engine's logprobs `old`;
-        the ratio's deviation before the update is returned with the loss."""
+        the ratio's deviation before the update is returned with the loss. Every rank gets the
+        whole batch; an IsoExec trainer at PP=1, EP=1 splits it over its DP ranks in packs of
+        `pack_tokens` (`policy_train_step`: bitwise the same step at any DP), elsewhere each
+        DP rank steps on all of it."""
         from isoexec.megatron import policy_logprobs
-        from isoexec.megatron.policy_loss import clipped_policy_loss, per_token, policy_step
+        from isoexec.megatron.policy_loss import (
+            clipped_policy_loss,
+            per_token,
+            policy_step,
+            policy_train_step,
+        )
+
+        if self.splits_over_dp:
+            return policy_train_step(self.model, self.opt, sequences, prompt_lens, old,
+                                     advantages, temperature=temperature, clip=clip,
+                                     max_tokens=pack_tokens)  # fmt: skip
 
         self.model.train()
         self.opt.zero_grad(set_to_none=True)

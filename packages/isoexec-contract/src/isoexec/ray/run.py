@@ -66,6 +66,9 @@ class RaySpec:
     placement_timeout_s: float = 120.0
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     lr: float = 2e-2
+    # Tokens per training unit: DP ranks split a step's batch by these packs (the step's bits
+    # depend on this value, not on the DP degree).
+    pack_tokens: int = 256
     seed: int = 0  # the engines' sampling seed
     engine_max_restarts: int = 1  # Ray restarts a dead engine this often (it must re-offer)
 
@@ -313,7 +316,9 @@ class RayRun:
         seqs, lens = _sequences(completions)
         old = [list(c.logprobs) for c in completions]
         stats = self._on_trainers(
-            lambda t: t.train_step.remote(seqs, lens, old, advantages, temperature)
+            lambda t: t.train_step.remote(
+                seqs, lens, old, advantages, temperature, 0.2, self.spec.pack_tokens
+            )
         )
         known = [c.weights_version for c in completions if c.weights_version is not None]
         self._stepped = True
