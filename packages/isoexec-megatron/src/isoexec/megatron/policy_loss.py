@@ -32,11 +32,18 @@ def clipped_policy_loss(
     if not new.shape == behaviour.shape == advantages.shape:
         shapes = [tuple(t.shape) for t in (new, behaviour, advantages)]
         raise ValueError(f"shapes differ: new, behaviour, advantages {shapes}")
+    terms, ratio = _surrogate(new, behaviour, advantages, clip)
+    dev = (ratio.detach() - 1).abs()
+    return PolicyLoss(-terms.mean(), float(dev.max()), float(dev.mean()))
+
+
+def _surrogate(
+    new: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor, clip: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per token: min(r·A, clip(r, 1-ε, 1+ε)·A), and the ratio r = exp(new - behaviour)."""
     ratio = torch.exp(new - behaviour.to(new.dtype))
     adv = advantages.to(new.dtype)
-    dev = (ratio.detach() - 1).abs()
-    loss = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).mean()
-    return PolicyLoss(loss, float(dev.max()), float(dev.mean()))
+    return torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv), ratio
 
 
 def policy_step(
@@ -99,9 +106,9 @@ def policy_train_step(
         lps = packed_logprobs(model, [seqs[i] for i in idx], temperature)
         new = torch.cat([lps[j][prompt_lens[i] - 1 :] for j, i in enumerate(idx)])
         behaviour = torch.tensor([x for i in idx for x in old[i]], dtype=new.dtype)
-        adv = per_token([advantages[i] for i in idx], [lens[i] for i in idx]).to(new.dtype)
-        ratio = torch.exp(new - behaviour)
-        loss = -torch.min(ratio * adv, ratio.clamp(1 - clip, 1 + clip) * adv).sum() / total
+        adv = per_token([advantages[i] for i in idx], [lens[i] for i in idx])
+        terms, ratio = _surrogate(new, behaviour, adv, clip)
+        loss = -terms.sum() / total
         tree.push(torch.autograd.grad(loss, params, allow_unused=True))
         computed += 1
         dev = (ratio.detach() - 1).abs()
