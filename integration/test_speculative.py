@@ -73,17 +73,22 @@ def _score(trainer: Any, done: list[Any], temps: list[float] = TEMPS, settings: 
     return score_completions(trainer, done, temps, TRUNCS, penalties=PENALTIES)
 
 
+@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])  # dense last: reused below
 def test_speculated_tokens_are_bitwise_the_trainers(
-    tiny_dense_dir: str, engine_pool: Callable[..., Any], trainer_factory: Callable[..., Any]
+    preset: str,
+    model_factory: Callable[[str, str], str],
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
 ) -> None:
-    engine = _spec_engine(engine_pool, tiny_dense_dir)
+    model = model_factory(preset, "float32")
+    engine = _spec_engine(engine_pool, model)
     before = engine.call("spec_decode_counts")
     done = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
     proposed, accepted = (a - b for a, b in zip(engine.call("spec_decode_counts"), before,
                                                  strict=True))  # fmt: skip
     print(f"n-gram drafts: {accepted}/{proposed} accepted")
     assert proposed > 0 and accepted > 0  # the verification path ran, and kept drafts
-    trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
+    trainer = trainer_factory(model, "float32", isoexec=True)
     train, eng = _score(trainer, done)
     assert train.numel() == TOKENS * len(PROMPTS)
     assert torch.equal(train, eng), (train - eng).abs().max()
@@ -91,7 +96,7 @@ def test_speculated_tokens_are_bitwise_the_trainers(
     assert not torch.equal(plain, eng)  # negative control: scored without the settings
 
     # The same greedy requests on an engine without speculation: the same tokens, the same bits.
-    plain_engine = engine_pool(model=tiny_dense_dir, dtype="float32", isoexec=True)
+    plain_engine = engine_pool(model=model, dtype="float32", isoexec=True)
     greedy = [0, 1, 2]
     again = sample(plain_engine, [PROMPTS[i] for i in greedy], [0.0] * 3, TOKENS,
                    truncations=[TRUNCS[i] for i in greedy],
