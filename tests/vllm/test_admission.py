@@ -133,6 +133,22 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
     assert admission.refused_engine_settings(speculating) == []  # n-gram: canonical rows
 
 
+def test_speculation_on_a_gdn_model_is_refused_by_name(tmp_path: Path) -> None:
+    """IsoExec's GDN layer keeps one state per request: a hybrid model that speculates does
+    not start, and says why (its layer would refuse too, later). Control: the same model
+    without speculation passes."""
+    from isoexec.tools.tiny_models import make_tiny_model
+
+    gdn = str(make_tiny_model("tiny-gdn", tmp_path / "gdn"))
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    plain = _vllm_config(gdn, logits_processors=[admission.ADMISSION])
+    assert admission.refused_engine_settings(plain) == []
+    refused = admission.refused_engine_settings(
+        _vllm_config(gdn, logits_processors=[admission.ADMISSION], speculative_config=ngram)
+    )
+    assert len(refused) == 1 and "on a GatedDeltaNet model" in refused[0], refused
+
+
 def test_hf_overrides_are_recorded_in_the_effective_config(dense_dir: str) -> None:
     """`--hf-overrides` changes the contract's model identity (the engine does not MATCH a
     trainer built from the checkpoint; the diff names the config digest). Negative control:

@@ -135,7 +135,12 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
     model = vllm_config.model_config
     out = refused_lora_settings(vllm_config) + refused_graph_settings(vllm_config)
     spec = vllm_config.speculative_config
-    if spec is not None and spec.method not in SPECULATIVE_METHODS:
+    if spec is not None and _is_hybrid(model):
+        out.append(
+            "speculative decoding on a GatedDeltaNet model: IsoExec's GDN layer keeps one "
+            "recurrent state per request, not one per draft position (not canonical yet)"
+        )
+    elif spec is not None and spec.method not in SPECULATIVE_METHODS:
         out.append(
             f"speculative decoding by {spec.method!r}: IsoExec verifies drafts on canonical "
             f"rows for {', '.join(SPECULATIVE_METHODS)} only (its draft models are not IsoExec "
@@ -166,6 +171,14 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
     if callable(model.hf_overrides):
         out.append("hf_overrides as a function: the contract cannot record what it changed")
     return out
+
+
+def _is_hybrid(model_config: Any) -> bool:
+    """Whether the engine's model has GatedDeltaNet layers (by its architecture)."""
+    from isoexec.contract.architectures import ARCHITECTURES
+
+    names = getattr(model_config.hf_config, "architectures", None) or []
+    return any(getattr(ARCHITECTURES.get(n), "hybrid", False) for n in names)
 
 
 def _name(proc: Any) -> str:
