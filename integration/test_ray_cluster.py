@@ -33,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "_support"))
 from pki import make_pki
 
 from isoexec.contract.options import IsoExecOptions
+from isoexec.ops.penalties import Penalties
+from isoexec.ops.truncation import Truncation
 from isoexec.ray.actors import ModelSource, SideSpec
 from isoexec.ray.cluster import ClusterResourcesError, local_cluster
 from isoexec.ray.identity import ActorRuntimeMismatchError, RuntimeIdentity
@@ -112,6 +114,18 @@ def test_match_across_nodes_then_bitwise(run: RayRun) -> None:
     assert run.trainer_fingerprint() in set(ray.get(run.engines[0].weight_fingerprint.remote()))
     equal, comps = _bitwise(run)
     assert equal and sum(len(c.token_ids) for c in comps) == 4 * SAMPLING.max_tokens
+    # Truncation and penalties travel with the sequences: scored with them, bitwise; without
+    # them (negative control), not.
+    cut, pen = Truncation(top_k=20), Penalties.of(repetition_penalty=1.3, logit_bias={5: 2.0})
+    spec = replace(SAMPLING, temperature=0.8, top_k=20, penalties=pen)
+    comps = run.generate(PROMPTS, spec)
+    engine = [torch.tensor(c.logprobs) for c in comps]
+    for scored, want in (
+        (run.score(comps, 0.8, cut, pen), True),
+        (run.score(comps, 0.8, cut), False),
+    ):
+        got = [torch.tensor(t, dtype=torch.float32) for t in scored]
+        assert all(torch.equal(a, b) for a, b in zip(got, engine, strict=True)) is want
 
 
 def test_train_step_sync_then_bitwise_again(run: RayRun) -> None:

@@ -167,12 +167,14 @@ class TrainerActor:
 
     def score(
         self, sequences: list[list[int]], prompt_lens: list[int], temperature: float = 1.0,
-        truncation: Any = None,
+        truncation: Any = None, penalties: Any = None,
     ) -> list[list[float]]:  # fmt: skip
-        """The logprobs of each sequence's tokens after its prompt (every rank must call)."""
+        """The logprobs of each sequence's tokens after its prompt (every rank must call),
+        under the truncation and penalties they were sampled with."""
         from isoexec.megatron import score
 
-        lps = score(self.model, sequences, temperature=temperature, truncation=truncation)
+        lps = score(self.model, sequences, temperature=temperature, truncation=truncation,
+                    penalties=penalties, prompt_lens=prompt_lens)  # fmt: skip
         return [lp[n - 1 :].float().tolist() for lp, n in zip(lps, prompt_lens, strict=True)]
 
     def train_step(

@@ -292,8 +292,8 @@ class RayRun:
 
         return ray.get([call(t) for t in self.trainers])[0]
 
-    def score(self, completions: list[Any], temperature: float = 1.0,
-              truncation: Any = None) -> list[list[float]]:  # fmt: skip
+    def score(self, completions: list[Any], temperature: float = 1.0, truncation: Any = None,
+              penalties: Any = None) -> list[list[float]]:  # fmt: skip
         """The trainer's logprobs of each completion's tokens, under the weights they were
         sampled with: `RunRefusedError` for a completion of another weights version, or when
         the trainer has stepped since the version (its weights are then none the engines had).
@@ -306,7 +306,9 @@ class RayRun:
                 f"trainer holds version {held}: scoring would compare different weights"
             )
         seqs, lens = _sequences(completions)
-        return self._on_trainers(lambda t: t.score.remote(seqs, lens, temperature, truncation))
+        return self._on_trainers(
+            lambda t: t.score.remote(seqs, lens, temperature, truncation, penalties)
+        )
 
     def train_step(self, completions: list[Any], advantages: list[float],
                    temperature: float = 1.0) -> dict[str, float]:  # fmt: skip
