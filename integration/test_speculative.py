@@ -63,8 +63,8 @@ def _restore_histories(worker: Any) -> None:
     spec_decode._row_layout = spec_decode._row_layout.real  # type: ignore[attr-defined]
 
 
-def _spec_engine(engine_pool: Callable[..., Any], model: str) -> Any:
-    return engine_pool(model=model, dtype="float32", isoexec=True, speculative=NGRAM)
+def _spec_engine(engine_pool: Callable[..., Any], model: str, dtype: str = "float32") -> Any:
+    return engine_pool(model=model, dtype=dtype, isoexec=True, speculative=NGRAM)
 
 
 def _score(trainer: Any, done: list[Any], temps: list[float] = TEMPS, settings: bool = True) -> Any:
@@ -73,22 +73,27 @@ def _score(trainer: Any, done: list[Any], temps: list[float] = TEMPS, settings: 
     return score_completions(trainer, done, temps, TRUNCS, penalties=PENALTIES)
 
 
-@pytest.mark.parametrize("preset", ["tiny-moe", "tiny-dense"])  # dense last: reused below
+# dense fp32 last: the tests below reuse its engine
+@pytest.mark.parametrize(
+    ("preset", "dtype"),
+    [("tiny-moe", "float32"), ("tiny-dense", "bfloat16"), ("tiny-dense", "float32")],
+)
 def test_speculated_tokens_are_bitwise_the_trainers(
     preset: str,
+    dtype: str,
     model_factory: Callable[[str, str], str],
     engine_pool: Callable[..., Any],
     trainer_factory: Callable[..., Any],
 ) -> None:
-    model = model_factory(preset, "float32")
-    engine = _spec_engine(engine_pool, model)
+    model = model_factory(preset, dtype)
+    engine = _spec_engine(engine_pool, model, dtype)
     before = engine.call("spec_decode_counts")
     done = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
     proposed, accepted = (a - b for a, b in zip(engine.call("spec_decode_counts"), before,
                                                  strict=True))  # fmt: skip
     print(f"n-gram drafts: {accepted}/{proposed} accepted")
     assert proposed > 0 and accepted > 0  # the verification path ran, and kept drafts
-    trainer = trainer_factory(model, "float32", isoexec=True)
+    trainer = trainer_factory(model, dtype, isoexec=True)
     train, eng = _score(trainer, done)
     assert train.numel() == TOKENS * len(PROMPTS)
     assert torch.equal(train, eng), (train - eng).abs().max()
@@ -96,7 +101,7 @@ def test_speculated_tokens_are_bitwise_the_trainers(
     assert not torch.equal(plain, eng)  # negative control: scored without the settings
 
     # The same greedy requests on an engine without speculation: the same tokens, the same bits.
-    plain_engine = engine_pool(model=model, dtype="float32", isoexec=True)
+    plain_engine = engine_pool(model=model, dtype=dtype, isoexec=True)
     greedy = [0, 1, 2]
     again = sample(plain_engine, [PROMPTS[i] for i in greedy], [0.0] * 3, TOKENS,
                    truncations=[TRUNCS[i] for i in greedy],
