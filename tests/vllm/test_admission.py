@@ -131,6 +131,10 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
     speculating = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
                                speculative_config=ngram)  # fmt: skip
     assert admission.refused_engine_settings(speculating) == []  # n-gram: canonical rows
+    with_lora = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
+                             speculative_config=ngram, enable_lora=True)  # fmt: skip
+    refused = admission.refused_engine_settings(with_lora)
+    assert any("speculative decoding with LoRA" in r for r in refused), refused
 
 
 def test_speculation_on_a_gdn_model_is_refused_by_name(tmp_path: Path) -> None:

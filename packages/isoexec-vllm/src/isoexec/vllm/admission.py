@@ -146,6 +146,13 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
             f"rows for {', '.join(SPECULATIVE_METHODS)} only (its draft models are not IsoExec "
             "models, and untested)"
         )
+    elif spec is not None and (
+        vllm_config.lora_config is not None or vllm_config.parallel_config.tensor_parallel_size > 1
+    ):
+        out.append(
+            "speculative decoding with LoRA or engine TP>1: allowed only where it is tested "
+            "bitwise (one engine rank, no adapters)"
+        )
     if model.quantization is not None:
         out.append(f"quantization={model.quantization!r}: the canonical ops run unquantized")
     cache_dtype = str(vllm_config.cache_config.cache_dtype)
