@@ -129,12 +129,17 @@ def test_engine_settings_are_refused_at_worker_build(dense_dir: str) -> None:
     assert not admission.has_admission(_vllm_config(dense_dir))
     ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
     speculating = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
-                               speculative_config=ngram)  # fmt: skip
+                               speculative_config=ngram,
+                               logprobs_mode="processed_logprobs")  # fmt: skip
     assert admission.refused_engine_settings(speculating) == []  # n-gram: canonical rows
     with_lora = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
-                             speculative_config=ngram, enable_lora=True)  # fmt: skip
-    refused = admission.refused_engine_settings(with_lora)
-    assert any("speculative decoding with LoRA" in r for r in refused), refused
+                             speculative_config=ngram, enable_lora=True,
+                             logprobs_mode="processed_logprobs")  # fmt: skip
+    raw = _vllm_config(dense_dir, logits_processors=[admission.ADMISSION],
+                       speculative_config=ngram, logprobs_mode="raw_logprobs")  # fmt: skip
+    for cfg in (with_lora, raw):
+        refused = admission.refused_engine_settings(cfg)
+        assert any("speculative decoding with LoRA, engine TP>1 or raw" in r for r in refused)
 
 
 def test_speculation_on_a_gdn_model_is_refused_by_name(tmp_path: Path) -> None:

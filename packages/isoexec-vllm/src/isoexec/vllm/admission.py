@@ -147,11 +147,13 @@ def refused_engine_settings(vllm_config: Any) -> list[str]:
             "models, and untested)"
         )
     elif spec is not None and (
-        vllm_config.lora_config is not None or vllm_config.parallel_config.tensor_parallel_size > 1
+        vllm_config.lora_config is not None
+        or vllm_config.parallel_config.tensor_parallel_size > 1
+        or model.logprobs_mode != "processed_logprobs"
     ):
         out.append(
-            "speculative decoding with LoRA or engine TP>1: allowed only where it is tested "
-            "bitwise (one engine rank, no adapters)"
+            "speculative decoding with LoRA, engine TP>1 or raw_logprobs: allowed only where "
+            "it is tested bitwise (one engine rank, no adapters, processed logprobs)"
         )
     if model.quantization is not None:
         out.append(f"quantization={model.quantization!r}: the canonical ops run unquantized")

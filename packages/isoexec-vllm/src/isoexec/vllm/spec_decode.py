@@ -64,6 +64,11 @@ def _row_layout(
 class IsoRejectionSampler(RejectionSampler):
     """vLLM's rejection sampler over canonical processed rows (see the module docstring)."""
 
+    def __init__(self, sampler: Any, *args: Any, **kwargs: Any) -> None:
+        if not isinstance(sampler, IsoSampler):  # refused as the engine is built
+            raise UnsupportedSiteError("IsoExec's rejection sampler needs IsoExec's sampler")
+        super().__init__(sampler, *args, **kwargs)
+
     def forward(  # type: ignore[override]
         self,
         metadata: Any,
@@ -72,15 +77,12 @@ class IsoRejectionSampler(RejectionSampler):
         sampling_metadata: Any,
     ) -> SamplerOutput:
         sampler = self.sampler
-        if not isinstance(sampler, IsoSampler):
-            raise UnsupportedSiteError("IsoExec's rejection sampler needs IsoExec's sampler")
         md = sampling_metadata
         if md.bad_words_token_ids:
             raise UnsupportedSiteError("bad_words is not canonical (admission refuses it)")
         req, hist = _row_layout(metadata, md.output_token_ids, logits.shape[0])
         rows = torch.tensor(req, dtype=torch.int64, device=logits.device)
-        raw_rows = logits.float()
-        x = raw_rows
+        x = logits.float()
         adjust = request_adjustments(md, logits.shape[-1], logits.device, rows, hist)
         if adjust is not None:
             x = sampler.ops.adjust_logits(x, adjust)
@@ -114,15 +116,14 @@ class IsoRejectionSampler(RejectionSampler):
         )
         logprobs = None
         if md.max_num_logprobs is not None:
-            # Raw mode: the rows before any adjustment, at T=1; else the processed rows. The
-            # sampler's `compute_logprobs` is the canonical log-softmax (at T=1 of these).
-            src = raw_rows if sampler.logprobs_mode == "raw_logprobs" else processed
+            # The processed rows (admission refuses speculation in raw_logprobs mode): the
+            # sampler's `compute_logprobs` is the canonical log-softmax, at T=1 of these.
             logprobs = self._get_logprobs_tensors(
                 md.max_num_logprobs,
                 metadata,
                 logits,
-                src[target],
-                src[metadata.bonus_logits_indices],
+                processed[target],
+                processed[metadata.bonus_logits_indices],
                 output,
             )
         return SamplerOutput(sampled_token_ids=output, logprobs_tensors=logprobs)
