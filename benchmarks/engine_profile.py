@@ -120,7 +120,7 @@ def main() -> None:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--prompts", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--tokens", type=int, help=argparse.SUPPRESS)
-    ap.add_argument("--out", default="engine-profile.json")
+    ap.add_argument("--out", default="engine-profile.json", help="where the JSON report goes")
     args = ap.parse_args()
     if args.arm:
         run_arm(args.arm, args.model, args.dtype, args.prompts, args.tokens, args.out, args.eager)

@@ -41,6 +41,7 @@ CXX_FLAGS = (
     "-fPIC",
     "-shared",
     "-pthread",
+    "-fopenmp",
 )
 
 

@@ -12,7 +12,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <thread>
+#include <omp.h>
 #include <vector>
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -204,6 +204,12 @@ struct FpEnv {
 // Run fn(i) for i in [0, n) on up to `threads` threads (the caller's included). Each item is
 // computed whole by one thread, so the thread count and the item-to-thread assignment never
 // change a bit; items are handed out in chunks from an atomic counter (load balance).
+//
+// The threads are the OpenMP team torch's own CPU ops run on: the library links libgomp.so.1,
+// which resolves to the copy torch already loaded (same soname), so a call wakes threads that
+// are spinning after torch's last op instead of starting new ones. Starting std::threads per
+// call cost about 0.5 ms per attention call inside a vLLM engine, whose bound OpenMP threads
+// spin on every core (#37's profile).
 template <class F> static void parallel_items(int64_t n, int threads, int64_t chunk, F fn) {
   if (threads > n / chunk) threads = int(n / chunk);
   if (threads <= 1) {
@@ -212,19 +218,17 @@ template <class F> static void parallel_items(int64_t n, int threads, int64_t ch
     return;
   }
   std::atomic<int64_t> next{0};
-  auto work = [&](int worker) {
+#pragma omp parallel num_threads(threads)
+  {
     FpEnv env;
+    const int worker = omp_get_thread_num();
     for (;;) {
       int64_t s = next.fetch_add(chunk);
       if (s >= n) break;
       int64_t e = s + chunk < n ? s + chunk : n;
       for (int64_t i = s; i < e; ++i) fn(i, worker);
     }
-  };
-  std::vector<std::thread> pool;
-  for (int w = 1; w < threads; ++w) pool.emplace_back(work, w);
-  work(0);
-  for (auto& th : pool) th.join();
+  }
 }
 
 // a * b + c per lane with one rounding (IEEE fused multiply-add). The x86 FMA instructions
