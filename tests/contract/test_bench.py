@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -100,7 +101,7 @@ def test_one_settings_object_for_the_run_the_report_and_the_cli(tmp_path: Path) 
     assert run.settings() == {
         "family": "gdn", "size": "tiny", "dtype": "bfloat16", "reps": 3, "mode": "default",
         "modes": ["default"], "trainer": True, "prompt_len": 32, "lora": False, "speculative": 0,
-        **bench.SIZES["tiny"],
+        "threads": None, **bench.SIZES["tiny"],
     }  # fmt: skip
     assert run.engine_log("isoexec", "eager") == str(Path("d") / "engine-isoexec-eager.log")
     assert bench.BenchRun(verbose=True).engine_log("native", "default") is None
@@ -114,6 +115,8 @@ def test_one_settings_object_for_the_run_the_report_and_the_cli(tmp_path: Path) 
         ({"speculative": -1}, "--speculative -1"),
         ({"family": "gdn", "speculative": 3}, "--speculative runs dense and MoE"),
         ({"lora": True, "speculative": 3}, "--speculative runs dense and MoE"),
+        ({"threads": 0}, "--threads 0: this process may use"),
+        ({"threads": len(os.sched_getaffinity(0)) + 1}, "--threads .*: this process may use"),
     ]:
         with pytest.raises(bench.BenchSetupError, match=message):
             bench.BenchRun(**kwargs)
@@ -246,6 +249,30 @@ def test_plot_is_skipped_and_said_without_matplotlib(
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises
     assert bench_report.write_plot(tmp_path, synthetic_doc()) is None
     assert not (tmp_path / "bench.png").exists()
+
+
+def test_threads_reach_the_engines_and_the_report() -> None:
+    """`--threads N`: every engine binds one OpenMP thread to each of this process's first N
+    CPUs; the report's settings name N (None: each side's own default)."""
+    run = bench.BenchRun.from_args(parse("--threads", "1", "--no-trainer"))
+    first = str(sorted(os.sched_getaffinity(0))[0])
+    assert run.engine_env() == (("OMP_NUM_THREADS", "1"), ("VLLM_CPU_OMP_THREADS_BIND", first))
+    assert run.settings()["threads"] == 1
+    assert bench.BenchRun().engine_env() == ()
+
+
+def test_qwen3_size_has_the_released_widths(tmp_path: Path) -> None:
+    """`--size qwen3-0.6b`: Qwen3-0.6B's widths, layers and vocabulary, tied embeddings; the
+    checkpoint is written with them (checked here at a small width: the real one is 2.4 GB)."""
+    run = bench.BenchRun(size="qwen3-0.6b")
+    assert (run.shape["hidden"], run.shape["layers"], run.shape["vocab"]) == (1024, 28, 151936)
+    assert run.settings()["num_key_value_heads"] == 8
+    model = bench.make_model(tmp_path / "m", 256, 1, 1024, "dense", "float32", run.config)
+    cfg = json.loads((model / "config.json").read_text())
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (16, 8, 128)
+    assert cfg["intermediate_size"] == 3072 and cfg["tie_word_embeddings"] is True
+    # the KV cache the engines get is sized from the checkpoint: 28 layers x 2 x 8 x 128 fp32
+    assert bench.kv_bytes_per_token(model) == 1 * 2 * 8 * 128 * 4
 
 
 def test_tiny_gdn_model_has_an_attention_layer(tmp_path: Path) -> None:

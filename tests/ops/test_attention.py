@@ -372,3 +372,36 @@ def test_strided_inputs_read_in_place_same_bits():
     got = attention_varlen(q, k, v, cu, scale=SCALE)
     want = attention_varlen(q.contiguous(), k.contiguous(), v.contiguous(), cu, scale=SCALE)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_step_queries_and_out_keep_the_bits(dtype):
+    """What an engine does per step (#37): the query positions computed once and handed to
+    every layer, and the result written into the caller's buffer, give the bits of the plain
+    call; rows past the real queries (vLLM's padding) are zeroed, as the plain call returns."""
+    from isoexec.ops import paged_queries
+
+    lens, qlens = [130, 5, 300, 1, 64], [1, 1, 17, 1, 0]
+    q, kc, vc, bt, sl, qsl = _decode_step_inputs(lens, qlens, seed=61)
+    q, kc, vc = q.to(dtype), kc.to(dtype), vc.to(dtype)
+    padded = torch.cat([q, torch.randn(3, H, D).to(dtype)])  # 3 padding rows past qsl[-1]
+    ref = attention_paged(padded, kc, vc, bt, sl, qsl, scale=SCALE)
+    assert torch.equal(ref[-3:], torch.zeros_like(ref[-3:]))
+    step = paged_queries(bt, sl, qsl)
+    assert step.count == sum(qlens)
+    for layer in range(2):  # the same step object for two layers' calls
+        out = torch.full_like(ref, float("nan"))
+        got = attention_paged(
+            padded, kc, vc, bt[:0], sl[:0], qsl[:1], scale=SCALE, queries=step, out=out
+        )  # the tensors are not read when `queries` is given: emptied here to show it
+        assert got is out and torch.equal(out, ref), layer
+    # negative control: another step's queries (positions shifted by one) change the rows
+    other = paged_queries(bt, sl - 1, qsl)
+    moved = attention_paged(padded, kc, vc, bt, sl, qsl, scale=SCALE, queries=other)
+    assert not torch.equal(moved[: step.count], ref[: step.count])
+
+
+def test_out_must_have_the_result_shape():
+    q, kc, vc, bt, sl, qsl = _decode_step_inputs([40, 7], [1, 1])
+    with pytest.raises(ValueError, match="out is"):
+        attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE, out=torch.empty(2, H, D + 1))

@@ -37,7 +37,7 @@ from . import (
     truncation,
 )
 from .activation import attn_output_gate, silu_mul
-from .attention import attention_paged, attention_varlen, gather_paged_kv
+from .attention import attention_paged, attention_varlen, gather_paged_kv, paged_queries
 from .gdn import gdn_conv, gdn_recurrence, gdn_recurrence_in_place, gdn_sequence
 from .gemm import (
     linear,
@@ -139,7 +139,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             "exp": "cephes-deg6",
             "cache": "bs-hkv-d",
         },
-        (attention.attention_varlen, attention.attention_paged, attention.gather_paged_kv),
+        (
+            attention.attention_varlen,
+            attention.attention_paged,
+            attention.gather_paged_kv,
+            attention.paged_queries,
+        ),
     ),
     "logprobs": (
         "isoexec.logprobs.fp32",
@@ -375,6 +380,7 @@ __all__ = [
     "moe_router",
     "moe_weighted_sum",
     "pad_rank",
+    "paged_queries",
     "rms_norm",
     "rope_cos_sin",
     "rope_inv_freq",

@@ -22,6 +22,8 @@ bitwise (only forward logprobs must match).
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -40,6 +42,7 @@ _I64 = cpu_kernels.I64
 _PTR = cpu_kernels.PTR
 
 
+@cache
 def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
     fn = cpu_kernels.library("attention").isx_attention_fwd
     fn.restype = ctypes.c_int
@@ -90,10 +93,12 @@ def _run(
     key_start: torch.Tensor | None,
     scale: float,
     lanes: int,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """fp32 [T, H, Dv]. k/v: a cache [blocks, block_size, Hkv, D] read through block_table
-    [R, max_blocks] (int32), or packed rows [N, 1, Hkv, D] where key j of request r is row
-    key_start[r] + j. Query t belongs to request q_req[t] at absolute position q_pos[t]."""
+    """fp32 [T, H, Dv] (written into `out` when given). k/v: a cache [blocks, block_size,
+    Hkv, D] read through block_table [R, max_blocks] (int32), or packed rows [N, 1, Hkv, D]
+    where key j of request r is row key_start[r] + j. Query t belongs to request q_req[t] at
+    absolute position q_pos[t]."""
     if lanes not in LANES:
         raise ValueError(f"attention: lanes={lanes} unsupported; the kernel has {LANES}")
     _check("q", q, 3)
@@ -105,7 +110,10 @@ def _run(
     hkv, dv = k.shape[2], v.shape[3]
     if h % hkv or k.shape[3] != d or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    out = torch.empty(t, h, dv, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(t, h, dv, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (t, h, dv) or not out.is_contiguous():
+        raise ValueError(f"attention: out must be contiguous fp32 {(t, h, dv)}")
     if t == 0:
         return out
     q_req = q_req.to(torch.int64).contiguous()
@@ -271,6 +279,37 @@ def gather_paged_kv(
     return blocks.reshape(nb * bs, *cache.shape[2:])[:seq_len]
 
 
+@dataclass(frozen=True)
+class PagedQueries:
+    """Where each query of a paged step sits: what every attention layer of the step shares.
+
+    Computing it is a dozen small torch ops, about as long as the kernel itself at decode, so
+    an engine computes it once per step (`paged_queries`) and hands it to every layer."""
+
+    count: int  # real queries (the step's last query_start_loc)
+    request: torch.Tensor  # int64 [count]: the request each query belongs to
+    position: torch.Tensor  # int64 [count]: its absolute position
+    block_table: torch.Tensor  # int32 contiguous [requests, max_blocks]
+
+
+def paged_queries(
+    block_table: torch.Tensor, seq_lens: torch.Tensor, query_start_loc: torch.Tensor
+) -> PagedQueries:
+    """Request r owns queries qsl[r]:qsl[r+1] at positions seq_len - q_len + i."""
+    qsl = query_start_loc.long()
+    nreq = qsl.shape[0] - 1
+    nq = int(qsl[-1]) if nreq > 0 else 0
+    if nreq <= 0 or nq == 0:
+        empty = torch.empty(0, dtype=torch.int64)
+        return PagedQueries(0, empty, empty, block_table[:0].to(torch.int32))
+    qlens = qsl[1:] - qsl[:-1]
+    lens = seq_lens[:nreq].long()
+    q_req = torch.repeat_interleave(torch.arange(nreq), qlens, output_size=nq)
+    q_pos = lens[q_req] - qlens[q_req] + (torch.arange(nq) - qsl[:-1][q_req])
+    bt = block_table[:nreq].to(torch.int32).contiguous()
+    return PagedQueries(nq, q_req, q_pos, bt)
+
+
 def attention_paged(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -281,25 +320,37 @@ def attention_paged(
     *,
     scale: float,
     lanes: int = DEFAULT_LANES,
+    queries: PagedQueries | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention reading a paged KV cache in place (layout [num_blocks, block_size,
     Hkv, D], any strides with a contiguous last dim). Request r owns queries
     q[qsl[r]:qsl[r+1]] at absolute positions seq_len - q_len + i; its keys are positions
     0..seq_len-1 (including the new tokens, already written). Same bits as
-    `attention_varlen` for the same query."""
-    qsl = query_start_loc.long()
-    nreq = qsl.shape[0] - 1
-    nq = int(qsl[-1]) if nreq > 0 else 0
-    out = q.new_zeros(q.shape[0], q.shape[1], v_cache.shape[-1])
-    if nreq <= 0 or nq == 0:
+    `attention_varlen` for the same query.
+
+    `queries`: the step's `paged_queries(block_table, seq_lens, query_start_loc)`, computed
+    once for all layers (the three tensors are then not read). `out`: a [T, H, Dv] tensor the
+    result is written into (rows past the real queries zeroed) instead of a new one; an fp32
+    contiguous `out` receives the kernel's rows directly, without a copy."""
+    if queries is None:
+        queries = paged_queries(block_table, seq_lens, query_start_loc)
+    shape = (q.shape[0], q.shape[1], v_cache.shape[-1])
+    if out is None:
+        out = q.new_empty(shape)
+    elif tuple(out.shape) != shape:
+        raise ValueError(f"attention: out is {tuple(out.shape)}, the result {shape}")
+    nq = queries.count
+    if nq < shape[0]:
+        out[nq:].zero_()
+    if nq == 0:
         return out
-    qlens = qsl[1:] - qsl[:-1]
-    lens = seq_lens[:nreq].long()
-    q_req = torch.repeat_interleave(torch.arange(nreq), qlens)
-    q_pos = lens[q_req] - qlens[q_req] + (torch.arange(nq) - qsl[:-1][q_req])
+    direct = out.dtype == torch.float32 and out.is_contiguous()
     rows = _run(
-        q[:nq], k_cache, v_cache, q_req, q_pos,
-        block_table=block_table[:nreq], key_start=None, scale=scale, lanes=lanes,
+        q[:nq], k_cache, v_cache, queries.request, queries.position,
+        block_table=queries.block_table, key_start=None, scale=scale, lanes=lanes,
+        out=out[:nq] if direct else None,
     )  # fmt: skip
-    out[:nq] = rows.to(q.dtype)
+    if not direct:
+        out[:nq] = rows.to(q.dtype)
     return out

@@ -70,7 +70,9 @@ ENTRY_POINTS: Mapping[str, frozenset[str]] = MappingProxyType(
             {"apply_rope", "rope", "rope_cos_sin", "rope_cos_sin_table", "rope_inv_freq"}
         ),
         "silu_mul": frozenset({"silu_mul"}),
-        "attention": frozenset({"attention_varlen", "attention_paged", "gather_paged_kv"}),
+        "attention": frozenset(
+            {"attention_varlen", "attention_paged", "gather_paged_kv", "paged_queries"}
+        ),
         "attn_output_gate": frozenset({"attn_output_gate"}),
         "logprobs": frozenset(
             {"adjust_logits", "log_softmax", "token_logprobs", "truncation_mask"}

@@ -8,9 +8,9 @@ alternated, on the sequences the IsoExec engine generated (prompt + completion);
 profile of the IsoExec trainer step (time inside each canonical forward op).
 `benchmarks/engine_profile.py` profiles the engine the same way.
 
-    isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium] [--reps N]
-                  [--mode default|eager|both] [--dtype float32|bfloat16] [--no-trainer]
-                  [--lora] [--out DIR]
+    isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium|qwen3-0.6b] [--reps N]
+                  [--mode default|eager|both] [--dtype float32|bfloat16] [--threads N]
+                  [--no-trainer] [--lora] [--speculative K] [--out DIR]
 
 `--lora`: both engine arms generate under a rank-8 adapter on every projection (IsoExec's
 canonical LoRA op against vLLM's punica kernels; dense, engine only).
@@ -20,7 +20,9 @@ native tok/s / IsoExec tok/s; trainer = IsoExec ms/token / native ms/token) and 
 
 Sizes: `medium` is the issue's model (hidden 768, 8 layers, vocab 32k, 32 prompts x 128 new
 tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 prompts x 32) fits a 2-core machine;
-`tiny` (hidden 128, 2 layers, vocab 1k, 2 prompts x 8) checks that the command works. The GDN
+`tiny` (hidden 128, 2 layers, vocab 1k, 2 prompts x 8) checks that the command works;
+`qwen3-0.6b` has Qwen3-0.6B's widths, 28 layers and its 151,936-token vocabulary (random
+weights, 4 prompts x 16). `--threads N` runs every engine and the trainer on N threads. The GDN
 family is Qwen3-Next-like (GDN + gated attention + MoE with a shared expert) with 128-wide GDN
 heads in bf16: stock vLLM-CPU's GDN kernel runs only that (bf16, head dim 64/128).
 
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import json
 import tempfile
 import time
 from collections import defaultdict
@@ -76,16 +79,33 @@ ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
 TRAINER_SIDE = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"))
 
 
-def kv_cache_bytes(prompts: int, tokens: int) -> int:
+def kv_cache_bytes(prompts: int, tokens: int, per_token: int = 2**16) -> int:
     """KV for every sequence at once (the tests' small default would preempt at the medium
-    size): 64 KiB per token covers the models here."""
-    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * 2**16)
+    size): 64 KiB per token covers the small models; `per_token` for wider ones."""
+    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * max(per_token, 2**16))
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """fp32 K and V of every layer for one token of the checkpoint at `model` (an upper bound:
+    GDN layers keep a state, not a cache)."""
+    cfg = json.loads((model / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
 
 
 def make_model(
-    out: Path, hidden: int, layers: int, vocab: int, family: str = "dense", dtype: str = "float32"
+    out: Path,
+    hidden: int,
+    layers: int,
+    vocab: int,
+    family: str = "dense",
+    dtype: str = "float32",
+    config: dict[str, Any] | None = None,
 ) -> Path:
-    """A random Qwen3-style checkpoint of this shape (`tiny_models` presets, overridden)."""
+    """A random Qwen3-style checkpoint of this shape (`tiny_models` presets, overridden);
+    `config`: fields set over the derived ones (a released model's widths, `SIZE_CONFIGS`)."""
     from isoexec.tools.tiny_models import make_tiny_model
 
     heads = max(2, hidden // 128)
@@ -113,6 +133,7 @@ def make_model(
             linear_num_key_heads=max(1, heads // 2),
             linear_num_value_heads=heads,
         )
+    overrides.update(config or {})
     preset = {"dense": "tiny-dense", "moe": "tiny-moe", "gdn": "tiny-gdn"}.get(family)
     if preset is None:
         raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
@@ -146,7 +167,7 @@ def bench_engine(
     assert dtype is not None  # resolved when the run was built
     adapter = None if lora is None else LoraAdapter("bench", 1, str(lora))
     spec = SamplingSpec(max_tokens=tokens, temperature=1.0, lora=adapter)
-    kv = kv_cache_bytes(len(batch), tokens)
+    kv = kv_cache_bytes(len(batch), tokens, kv_bytes_per_token(model))
     eager = mode == "eager"
 
     ngram = (
@@ -165,7 +186,7 @@ def bench_engine(
     def config(arm: str) -> EngineConfig:
         return EngineConfig(model=str(model), dtype=dtype, isoexec=arm != "native",
                             kv_cache_bytes=kv, enforce_eager=eager,
-                            log_file=run.engine_log(arm, mode),
+                            log_file=run.engine_log(arm, mode), extra_env=run.engine_env(),
                             speculative=() if arm == PLAIN_ARM else ngram,
                             lora=None if lora is None else (LORA_RANK, 1))  # fmt: skip
 
@@ -250,7 +271,10 @@ def bench_trainer(run: BenchRun, model_dir: Path, data: Sequence[Sequence[int]])
 
     seqs = [torch.tensor(list(s)) for s in data]
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
-    with megatron_parallel():
+    default_threads = torch.get_num_threads()
+    if run.threads is not None:
+        torch.set_num_threads(run.threads)
+    with megatron_parallel(), _restored_threads(default_threads):
         models = {}
         for arm in ARMS:
             models[arm] = build_model(
@@ -272,6 +296,16 @@ def bench_trainer(run: BenchRun, model_dir: Path, data: Sequence[Sequence[int]])
                 times[arm].append(time.perf_counter() - t)
         profile = op_profile(models["isoexec"], lambda: step(models["isoexec"]))
     return trainer_result(times, sum(len(s) - 1 for s in seqs), profile)
+
+
+@contextlib.contextmanager
+def _restored_threads(threads: int) -> Iterator[None]:
+    import torch
+
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def op_profile(model: Any, fn: Callable[[], Any]) -> dict[str, float]:
@@ -327,8 +361,12 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         choices=tuple(SIZES),
         default="small",
         help="tiny: hidden 128, 2 layers, 2 prompts x 8 tokens (checks the command); small: "
-        "hidden 512, 4 layers, 8 x 32; medium: hidden 768, 8 layers, 32 x 128",
+        "hidden 512, 4 layers, 8 x 32; medium: hidden 768, 8 layers, 32 x 128; qwen3-0.6b: "
+        "Qwen3-0.6B's widths (28 layers, vocab 151,936; random weights), 4 x 16",
     )
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="CPU threads of every engine (one bound per CPU) and of the trainer "
+                   "(default: vLLM's and torch's own choice)")  # fmt: skip
     p.add_argument("--reps", type=int, default=3, help="timed reps per arm (the median counts)")
     p.add_argument(
         "--mode",
@@ -395,7 +433,7 @@ def run_bench(run: BenchRun) -> dict[str, Any]:
     trainer_doc: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isoexec-bench-") as tmp:
         model = make_model(Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"],
-                           run.family, dtype)  # fmt: skip
+                           run.family, dtype, run.config)  # fmt: skip
         seqs: list[list[int]] = []
         lora = None
         if run.lora:

@@ -9,6 +9,7 @@ is a `BenchSetupError` naming it, before any model is made or engine started.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,34 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 128, "layers": 2, "vocab": 1024, "prompts": 2, "tokens": 8},
     "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
     "medium": {"hidden": 768, "layers": 8, "vocab": 32768, "prompts": 32, "tokens": 128},
+    # Qwen3-0.6B's widths and vocabulary, random weights: the size users run, where the lm
+    # head and the logprobs over 151,936 tokens cost the most.
+    "qwen3-0.6b": {"hidden": 1024, "layers": 28, "vocab": 151936, "prompts": 4, "tokens": 16},
+}
+# Config fields a size sets over `make_model`'s own (heads from the width, MLP 3x hidden):
+# the released model's. Its MoE and GDN families keep the bench's expert and GDN structure.
+SIZE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        "intermediate_size": 3072,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "tie_word_embeddings": True,
+    },
 }
 FAMILIES = ("dense", "moe", "gdn")
 MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eager")}
 DTYPES = ("float32", "bfloat16")
 PROMPT_LEN = 32
 DEFAULT_OUT = "isoexec-bench"
+
+
+def available_cpus() -> list[int]:
+    """The CPUs this process may run on, in order."""
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return list(range(os.cpu_count() or 1))
 
 
 class BenchSetupError(ValueError):
@@ -56,6 +79,7 @@ class BenchRun:
     trainer: bool = True  # also time the trainer (never with `lora`: the engine only)
     lora: bool = False  # both engine arms generate under a rank-8 adapter (dense only)
     speculative: int = 0  # both engine arms speculate with n-gram drafts of this many tokens
+    threads: int | None = None  # CPU threads of every engine and the trainer (None: defaults)
     out: Path = field(default_factory=lambda: Path(DEFAULT_OUT))
     verbose: bool = False  # the engines' and the trainer's own logs on the console
 
@@ -69,6 +93,12 @@ class BenchRun:
             raise BenchSetupError(f"--reps {self.reps}: at least 1")
         if self.lora and self.family != "dense":
             raise BenchSetupError("--lora runs on the dense family only (LoRA on MoE is refused)")
+        if self.threads is not None:
+            cpus = available_cpus()
+            if not 1 <= self.threads <= len(cpus):
+                raise BenchSetupError(
+                    f"--threads {self.threads}: this process may use {len(cpus)} CPUs {cpus}"
+                )
         if self.speculative < 0:
             raise BenchSetupError(f"--speculative {self.speculative}: 0 (off) or more drafts")
         if self.speculative and (self.lora or self.family == "gdn"):
@@ -81,6 +111,19 @@ class BenchRun:
     def shape(self) -> dict[str, int]:
         """The model and batch of this size: hidden, layers, vocab, prompts, tokens."""
         return SIZES[self.size]
+
+    @property
+    def config(self) -> dict[str, Any]:
+        """Config fields of this size's model beyond `shape` (a released model's widths)."""
+        return dict(SIZE_CONFIGS.get(self.size, {}))
+
+    def engine_env(self) -> tuple[tuple[str, str], ...]:
+        """The environment that gives an engine `threads` threads: vLLM-CPU binds one OpenMP
+        thread per CPU listed in VLLM_CPU_OMP_THREADS_BIND."""
+        if self.threads is None:
+            return ()
+        cpus = ",".join(map(str, available_cpus()[: self.threads]))
+        return (("OMP_NUM_THREADS", str(self.threads)), ("VLLM_CPU_OMP_THREADS_BIND", cpus))
 
     @property
     def modes(self) -> tuple[str, ...]:
@@ -96,7 +139,7 @@ class BenchRun:
             "family": self.family, "size": self.size, "dtype": self.dtype, "reps": self.reps,
             "mode": self.mode, "modes": list(self.modes), "trainer": self.trainer,
             "prompt_len": PROMPT_LEN, "lora": self.lora, "speculative": self.speculative,
-            **self.shape,
+            "threads": self.threads, **self.shape, **self.config,
         }  # fmt: skip
 
     @classmethod
@@ -105,7 +148,7 @@ class BenchRun:
         return cls(
             family=args.family, size=args.size, dtype=args.dtype, reps=args.reps,
             mode=args.mode, trainer=not args.no_trainer, lora=args.lora, out=Path(args.out),
-            verbose=args.verbose, speculative=args.speculative,
+            verbose=args.verbose, speculative=args.speculative, threads=args.threads,
         )  # fmt: skip
 
 
@@ -116,7 +159,9 @@ __all__ = [
     "MODES",
     "PROMPT_LEN",
     "SIZES",
+    "SIZE_CONFIGS",
     "BenchRun",
     "BenchSetupError",
+    "available_cpus",
     "resolve_dtype",
 ]

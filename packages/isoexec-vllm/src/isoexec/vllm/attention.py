@@ -90,7 +90,9 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise UnsupportedSiteError("canonical attention is causal decoder attention only")
-        return paged_forward(self.ops, query, kv_cache, attn_metadata, output, self.scale)
+        return paged_forward(
+            self.ops, query, kv_cache, attn_metadata, output, self.scale, per_step=True
+        )
 
 
 class IsoCPUAttentionBackend(CPUAttentionBackend):
