@@ -284,3 +284,53 @@ def test_gemm_library_on_cuda_records_the_flags_that_change_bits():
 def test_gemm_library_refuses_what_it_cannot_identify(device, dtype, match):
     with pytest.raises(ValueError, match=match):
         gemm_library(device, dtype)
+
+
+def _padded_reference(x: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
+    """The definition: every block of r rows, the last zero-padded, as one r-row GEMM."""
+    m = x.shape[0]
+    xp = F.pad(x, (0, 0, 0, -(-m // r) * r - m))
+    wp = torch.ops.mkldnn._reorder_linear_weight(w, r)
+    return torch.cat([gemm._onednn_rows(b.contiguous(), wp) for b in xp.split(r)])[:m]
+
+
+@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(512, 1536), (1536, 512), (1024, 300)])
+def test_short_last_block_has_the_padded_blocks_bits(dtype, k, n):
+    """A last block of m < 32 rows computes only its m rows where oneDNN was checked to give
+    them the padded block's bits (#37: a decode step of 8 sequences paid for 32 rows): every m
+    from 1 to 33, at 1 and 2 threads, gives the bits of the zero-padded 32-row blocks."""
+    if not gemm._prepacked(dtype):
+        pytest.skip(f"oneDNN has no prepacked {dtype} GEMM on this CPU")
+    g = torch.Generator().manual_seed(k + n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(33, k, generator=g).to(dtype)
+    for threads in (1, 2):
+        with num_threads(threads):
+            for m in range(1, 34):
+                want = _padded_reference(x[:m], w, 32)
+                assert torch.equal(linear(x[:m], w), want), (threads, m)
+
+
+@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
+def test_short_block_pads_where_the_check_sees_other_bits(monkeypatch):
+    """Negative control: a GEMM whose rows change with the row count (as oneDNN's do at m = 1
+    on some shapes) fails the check, and the block is padded: the result is the padded one."""
+    real = gemm._onednn_rows
+
+    def row_count_dependent(x, packed):
+        y = real(x, packed)
+        return y if x.shape[0] == 32 else y * (1 + 2**-20)
+
+    monkeypatch.setattr(gemm, "_onednn_rows", row_count_dependent)
+    monkeypatch.setattr(gemm, "_SHORT_BLOCK_ROWS", {})
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(N, K, generator=g), torch.randn(8, K, generator=g)
+    got = linear(x, w)
+    assert set(gemm._SHORT_BLOCK_ROWS.values()) == {32}  # checked, refused: padded
+    assert torch.equal(got, real(F.pad(x, (0, 0, 0, 24)), gemm._packed_weight(w, 32))[:8])
+    # without the fake: the same bits, whichever way this CPU's check goes
+    monkeypatch.setattr(gemm, "_onednn_rows", real)
+    monkeypatch.setattr(gemm, "_SHORT_BLOCK_ROWS", {})
+    assert torch.equal(linear(x, w), got)
