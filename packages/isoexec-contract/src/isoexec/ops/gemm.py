@@ -234,7 +234,7 @@ def _onednn_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
 _SHORT_BLOCK_ROWS: dict[tuple[int, int, torch.dtype, int, int, int], int] = {}
 # A check packs a random weight of the real shape up to this many elements (a projection);
 # above it (a vocabulary-sized head) it checks with the real weight.
-_CHECK_RANDOM_WEIGHT_MAX = 64 * 2**20
+_CHECK_RANDOM_WEIGHT_MAX = 16 * 2**20
 
 
 def _short_block_rows(weight: torch.Tensor, packed: torch.Tensor, block_rows: int, m: int) -> int:
