@@ -273,6 +273,10 @@ def test_qwen3_size_has_the_released_widths(tmp_path: Path) -> None:
     assert cfg["intermediate_size"] == 3072 and cfg["tie_word_embeddings"] is True
     # the KV cache the engines get is sized from the checkpoint: 28 layers x 2 x 8 x 128 fp32
     assert bench.kv_bytes_per_token(model) == 1 * 2 * 8 * 128 * 4
+    # vLLM refuses a cache smaller than one sequence of max_model_len: the real model's
+    # 28 layers need 117 MB for 512 tokens, more than 8 prompts x 48 tokens
+    per_token = 28 * 2 * 8 * 128 * 4
+    assert bench.kv_cache_bytes(8, 16, per_token) == 2 * 512 * per_token
 
 
 def test_tiny_gdn_model_has_an_attention_layer(tmp_path: Path) -> None:

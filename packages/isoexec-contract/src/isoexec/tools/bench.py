@@ -79,10 +79,18 @@ ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
 TRAINER_SIDE = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"))
 
 
+# The engines' max_model_len (`EngineConfig`'s default): vLLM refuses a KV cache smaller than
+# one sequence of this length.
+ENGINE_MAX_LEN = 512
+
+
 def kv_cache_bytes(prompts: int, tokens: int, per_token: int = 2**16) -> int:
     """KV for every sequence at once (the tests' small default would preempt at the medium
-    size): 64 KiB per token covers the small models; `per_token` for wider ones."""
-    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * max(per_token, 2**16))
+    size), and at least two sequences of the engine's full length: 64 KiB per token covers
+    the small models; `per_token` for wider ones."""
+    per_token = max(per_token, 2**16)
+    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * per_token,
+               2 * ENGINE_MAX_LEN * per_token)  # fmt: skip
 
 
 def kv_bytes_per_token(model: Path) -> int:
