@@ -331,7 +331,7 @@ def attention_paged(
 
     `queries`: the step's `paged_queries(block_table, seq_lens, query_start_loc)`, computed
     once for all layers (the three tensors are then not read). `out`: a [T, H, Dv] tensor the
-    result is written into (rows past the real queries zeroed) instead of a new one; an fp32
+    result is written into (rows past the real queries zeroed) instead of a new one; in fp32, a
     contiguous `out` receives the kernel's rows directly, without a copy."""
     if queries is None:
         queries = paged_queries(block_table, seq_lens, query_start_loc)
@@ -345,7 +345,8 @@ def attention_paged(
         out[nq:].zero_()
     if nq == 0:
         return out
-    direct = out.dtype == torch.float32 and out.is_contiguous()
+    # The result is rounded to q's dtype (then stored in out's); fp32 rows go in directly.
+    direct = q.dtype == out.dtype == torch.float32 and out.is_contiguous()
     rows = _run(
         q[:nq], k_cache, v_cache, queries.request, queries.position,
         block_table=queries.block_table, key_start=None, scale=scale, lanes=lanes,
