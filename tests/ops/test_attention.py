@@ -405,3 +405,13 @@ def test_out_must_have_the_result_shape():
     q, kc, vc, bt, sl, qsl = _decode_step_inputs([40, 7], [1, 1])
     with pytest.raises(ValueError, match="out is"):
         attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE, out=torch.empty(2, H, D + 1))
+
+
+def test_out_of_another_dtype_holds_the_result_rounded_to_the_queries_dtype():
+    """bf16 queries: the result is bf16 whatever `out` stores, as the plain call returns it."""
+    q, kc, vc, bt, sl, qsl = _decode_step_inputs([40, 7], [1, 1], seed=71)
+    q, kc, vc = q.bfloat16(), kc.bfloat16(), vc.bfloat16()
+    ref = attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE)
+    out = torch.empty(ref.shape, dtype=torch.float32)
+    attention_paged(q, kc, vc, bt, sl, qsl, scale=SCALE, out=out)
+    assert torch.equal(out, ref.float())
