@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import json
 import tempfile
 import time
 from collections import defaultdict
@@ -65,6 +64,8 @@ from isoexec.tools.bench_setup import (
     SIZES,
     BenchRun,
     BenchSetupError,
+    kv_bytes_per_token,
+    kv_cache_bytes,
     resolve_dtype,
 )
 
@@ -77,30 +78,6 @@ PROFILED_OPS = ("linear", "rms_norm", "apply_rope", "rope_cos_sin", "silu_mul",
 ENGINE_SIDE = (("isoexec.vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"),
                ("vllm", "isoexec-vllm[cpu] or isoexec-vllm[cuda]"))  # fmt: skip
 TRAINER_SIDE = (("isoexec.megatron", "isoexec-megatron"), ("megatron.core", "isoexec-megatron"))
-
-
-# The engines' max_model_len (`EngineConfig`'s default): vLLM refuses a KV cache smaller than
-# one sequence of this length.
-ENGINE_MAX_LEN = 512
-
-
-def kv_cache_bytes(prompts: int, tokens: int, per_token: int = 2**16) -> int:
-    """KV for every sequence at once (the tests' small default would preempt at the medium
-    size), and at least two sequences of the engine's full length: 64 KiB per token covers
-    the small models; `per_token` for wider ones."""
-    per_token = max(per_token, 2**16)
-    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * per_token,
-               2 * ENGINE_MAX_LEN * per_token)  # fmt: skip
-
-
-def kv_bytes_per_token(model: Path) -> int:
-    """fp32 K and V of every layer for one token of the checkpoint at `model` (an upper bound:
-    GDN layers keep a state, not a cache)."""
-    cfg = json.loads((model / "config.json").read_text())
-    cfg = cfg.get("text_config", cfg)
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
 
 
 def make_model(

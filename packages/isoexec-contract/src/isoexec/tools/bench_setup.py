@@ -9,6 +9,7 @@ is a `BenchSetupError` naming it, before any model is made or engine started.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,30 @@ def available_cpus() -> list[int]:
         return sorted(os.sched_getaffinity(0))
     except AttributeError:  # not Linux
         return list(range(os.cpu_count() or 1))
+
+
+# The engines' max_model_len (`EngineConfig`'s default): vLLM refuses a KV cache smaller than
+# one sequence of this length.
+ENGINE_MAX_LEN = 512
+
+
+def kv_cache_bytes(prompts: int, tokens: int, per_token: int = 2**16) -> int:
+    """KV for every sequence at once (the tests' small default would preempt at the medium
+    size), and at least two sequences of the engine's full length: 64 KiB per token covers
+    the small models; `per_token` for wider ones."""
+    per_token = max(per_token, 2**16)
+    return max(128 * 2**20, prompts * (PROMPT_LEN + tokens) * per_token,
+               2 * ENGINE_MAX_LEN * per_token)  # fmt: skip
+
+
+def kv_bytes_per_token(model: Path) -> int:
+    """fp32 K and V of every layer for one token of the checkpoint at `model` (an upper bound:
+    GDN layers keep a state, not a cache)."""
+    cfg = json.loads((model / "config.json").read_text())
+    cfg = cfg.get("text_config", cfg)
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * 2 * cfg.get("num_key_value_heads", heads) * head_dim * 4
 
 
 class BenchSetupError(ValueError):
@@ -163,5 +188,7 @@ __all__ = [
     "BenchRun",
     "BenchSetupError",
     "available_cpus",
+    "kv_bytes_per_token",
+    "kv_cache_bytes",
     "resolve_dtype",
 ]

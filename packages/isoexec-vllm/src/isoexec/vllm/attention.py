@@ -44,6 +44,9 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         bind(self, engine_binding("attention"))
+        # Query positions once per step where the bound backend offers them (the torch ops';
+        # the Triton twin, run here under its interpreter, computes its own per call).
+        self.per_step = hasattr(self.ops, "paged_queries")
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
@@ -91,7 +94,7 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise UnsupportedSiteError("canonical attention is causal decoder attention only")
         return paged_forward(
-            self.ops, query, kv_cache, attn_metadata, output, self.scale, per_step=True
+            self.ops, query, kv_cache, attn_metadata, output, self.scale, per_step=self.per_step
         )
 
 
