@@ -259,3 +259,32 @@ def test_a_config_override_does_not_match(
                                        trainer_contract(trainer, hf, "float32"))  # fmt: skip
     assert verdict.outcome == "MISMATCH", verdict
     assert any("config_digest" in d for d in verdict.diff), verdict.diff
+
+
+def test_a_speculating_server_offers_an_invariant_contract_and_matches(
+    tmp_path: Path, release_model: str, trainer_factory: Callable[..., Any]
+) -> None:
+    """vLLM's OpenAI server with `--speculative-config` ngram and a handshake: its worker reads
+    its verifier back from the sampler (IsoExec's rejection sampler registers there), declares
+    speculation "invariant" and MATCHes the trainer, which does not speculate. (The negative
+    control, vLLM's own verifier declaring "ngram/3" and refused, is in test_speculative.py.)"""
+    from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.server import HandshakeServer
+    from isoexec.megatron import trainer_contract
+
+    hf = json.loads((Path(release_model) / "config.json").read_text())
+    trainer = trainer_contract(trainer_factory(release_model, "float32", isoexec=True), hf)
+    assert trainer.speculation == "invariant"
+    token = secrets.token_hex(16)
+    (tmp_path / "token").write_text(token)
+    ngram = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'
+    with HandshakeServer({"trainer": 1, "engine": 1}, token) as hs:
+        launcher = ("--handshake-address", hs.address, "--handshake-token-file",
+                    str(tmp_path / "token"), "--handshake-run-id", "speculating-run")  # fmt: skip
+        with served(release_model, stock=False, log=tmp_path / "server.log", tokenizer=True,
+                    launcher_args=launcher,
+                    vllm_args=("--speculative-config", ngram)):  # fmt: skip
+            with HandshakeClient(hs.address, token, timeout_s=120) as client:
+                verdict = client.offer("speculating-run", "trainer", 0, trainer)
+    assert verdict.outcome == "MATCH", verdict.diff
+    assert verdict.contract_hash == trainer.hash

@@ -8,7 +8,8 @@ returned logprob (accepted, recovered and bonus tokens) is bitwise the trainer's
 finished sequence with the request's settings, and a greedy request's tokens and bits are the
 same with and without speculation. Negative controls: the same completions scored without
 their settings differ, and an engine whose draft rows forget the drafts before them (a changed
-penalty history) is caught.
+penalty history) is caught. The contract: the speculating engine declares "invariant" and
+MATCHes its trainer; behind vLLM's own rejection sampler it declares "ngram/3" and is refused.
 """
 
 from __future__ import annotations
@@ -61,6 +62,20 @@ def _restore_histories(worker: Any) -> None:
     from isoexec.vllm import spec_decode
 
     spec_decode._row_layout = spec_decode._row_layout.real  # type: ignore[attr-defined]
+
+
+def _stock_verifier(worker: Any) -> None:
+    """Injected into the worker: vLLM's own rejection sampler behind IsoExec's sampler."""
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+
+    runner = worker.model_runner
+    runner.isoexec_kept_verifier = runner.rejection_sampler
+    runner.rejection_sampler = RejectionSampler(runner.sampler)
+
+
+def _restore_verifier(worker: Any) -> None:
+    runner = worker.model_runner
+    runner.rejection_sampler = runner.isoexec_kept_verifier
 
 
 def _spec_engine(engine_pool: Callable[..., Any], model: str, dtype: str = "float32") -> Any:
@@ -134,7 +149,7 @@ def test_negative_control_draft_rows_that_forget_the_drafts_are_caught(
     """A rejection sampler whose draft rows apply the penalties without the drafts before them
     returns other bits for the penalised request, wherever a draft was accepted before a
     position; the trainer's scoring catches it."""
-    engine = _spec_engine(engine_pool, tiny_dense_dir)  # (the file's last use of it)
+    engine = _spec_engine(engine_pool, tiny_dense_dir)
     trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
     good = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
     assert torch.equal(*_score(trainer, good))
@@ -146,3 +161,37 @@ def test_negative_control_draft_rows_that_forget_the_drafts_are_caught(
     train, eng = _score(trainer, bad)
     assert not torch.equal(train, eng)
     assert bad[0].logprobs == good[0].logprobs  # the request without settings: unchanged
+
+
+def test_the_contract_records_speculation_and_a_stock_verifier_is_refused(
+    tiny_dense_dir: str, engine_pool: Callable[..., Any], trainer_factory: Callable[..., Any]
+) -> None:
+    """The speculating IsoExec engine declares "invariant" (its returned bits do not depend on
+    speculation, tested above) and MATCHes its trainer through the real handshake. With vLLM's
+    own rejection sampler swapped in, the same engine declares "ngram/3" and is refused, and
+    the diff names the setting; so does a stock engine speculating."""
+    import json
+    from pathlib import Path
+
+    from isoexec.contract.contract import Contract
+    from isoexec.megatron import trainer_contract
+    from isoexec.tools.pair import handshake
+
+    hf = json.loads((Path(tiny_dense_dir) / "config.json").read_text())
+    trainer = trainer_contract(trainer_factory(tiny_dense_dir, "float32", isoexec=True), hf)
+    engine = _spec_engine(engine_pool, tiny_dense_dir)
+    assert Contract.from_bytes(engine.call("contract")).speculation == "invariant"
+    t_verdict, e_verdict = handshake(trainer, engine, run_id="speculating-engine")
+    assert t_verdict.matched and e_verdict["outcome"] == "MATCH", e_verdict
+    engine.call("collective_rpc", _stock_verifier)
+    try:
+        swapped = Contract.from_bytes(engine.call("contract"))
+        t_verdict, e_verdict = handshake(trainer, engine, run_id="stock-verifier")
+    finally:
+        engine.call("collective_rpc", _restore_verifier)
+    assert swapped.speculation == "ngram/3"
+    assert e_verdict["outcome"] == "MISMATCH" and not t_verdict.matched
+    assert "speculation.verification: invariant → ngram/3" in t_verdict.diff, t_verdict.diff
+    assert Contract.from_bytes(engine.call("contract")) == trainer  # restored
+    stock = engine_pool(model=tiny_dense_dir, dtype="float32", isoexec=False, speculative=NGRAM)
+    assert Contract.from_bytes(stock.call("contract")).speculation == "ngram/3"

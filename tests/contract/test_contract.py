@@ -31,7 +31,7 @@ GOLDEN_BYTES = (
     b'"logprobs":"float32","params":"float32","recurrent_state":null,"residual":"float32"},'
     b'"model":{"architecture":"Qwen3ForCausalLM","config_digest":'
     b'"af79be01a61a7fe320a804f51e0d74cb62ac3ba73829a1b4fc1f924e06c50db3","layer_kinds":'
-    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":4,'
+    b'["attention"]},"parallel":{"dp":"1","ep":"1","pp":"1","tp":"1"},"schema_version":5,'
     b'"sites":{"embed_tokens":{"backend":"native","impl_id":'
     b'"native:Embedding","op":"embedding","params":{},"source_fingerprint":"","tp":"1",'
     b'"version":0},"layers.0.input_layernorm":{"backend":"torch-cpu","impl_id":"isoexec.rms_norm",'
@@ -57,9 +57,10 @@ GOLDEN_BYTES = (
     b'"impl_id":"isoexec.logprobs","op":"logprobs","params":{},"source_fingerprint":'
     b'"0123456789abcdef0123456789abcdef","tp":"1","version":1},"norm":{"backend":"torch-cpu",'
     b'"impl_id":"isoexec.rms_norm","op":"rms_norm","params":{"eps":"0x1.0c6f7a0b5ed8dp-20"},'
-    b'"source_fingerprint":"0123456789abcdef0123456789abcdef","tp":"1","version":1}}}'
+    b'"source_fingerprint":"0123456789abcdef0123456789abcdef","tp":"1","version":1}},'
+    b'"speculation":"none"}'
 )
-GOLDEN_HASH = "113f758e80eb56b24e66303816f3afe1387ace5dec1224b809d522cf9bcbe45a"
+GOLDEN_HASH = "8821105d4e6290f1ba9115ecac75c7ec71fe1feaa494d365021d04e4a3044681"
 
 
 def test_golden_bytes_and_hash() -> None:
@@ -159,13 +160,13 @@ def test_missing_field_refused() -> None:
 
 def test_unknown_schema_version_refused() -> None:
     d = make_contract(1).to_dict()
-    d["schema_version"] = 5
-    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 5 \(known: 4\)"):
+    d["schema_version"] = 6
+    with pytest.raises(SchemaVersionError, match=r"unknown contract schema_version 6 \(known: 5\)"):
         Contract.from_bytes(canonical_json(d))
     # Schema 1 (no `parallel` section) is refused, not read with a guessed layout.
     del d["parallel"]
     d["schema_version"] = 1
-    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 4\)"):
+    with pytest.raises(SchemaVersionError, match=r"schema_version 1 \(known: 5\)"):
         Contract.from_bytes(canonical_json(d))
     d["schema_version"] = "1"
     with pytest.raises(ContractError, match="schema_version: missing or not an integer"):

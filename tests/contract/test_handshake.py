@@ -116,7 +116,7 @@ def test_refuses_unknown_schema(make_server) -> None:  # type: ignore[no-untyped
     d["schema_version"] = 9
     code, details = status(raw_call(srv, offer_request(canonical_json(d))))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
-    assert details == "unknown contract schema_version 9 (known: 4)"
+    assert details == "unknown contract schema_version 9 (known: 5)"
     assert_still_serving(srv)
 
 
@@ -126,7 +126,7 @@ def test_refuses_non_canonical_and_invalid_contracts(make_server) -> None:  # ty
     code, details = status(raw_call(srv, offer_request(pretty)))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith("invalid contract: contract bytes are not canonical")
-    code, details = status(raw_call(srv, offer_request(b'{"schema_version":4,"x":1}')))
+    code, details = status(raw_call(srv, offer_request(b'{"schema_version":5,"x":1}')))
     assert code == grpc.StatusCode.INVALID_ARGUMENT
     assert details == "invalid contract: contract: unknown field(s) x"
 

@@ -16,9 +16,10 @@ e.g. `float.hex()`); integers, strings, booleans, null, arrays and objects only:
                    "recurrent_state":..., "residual":...},
      "model":     {"architecture":..., "config_digest":..., "layer_kinds":[...]},
      "parallel":  {"dp":..., "ep":..., "pp":..., "tp":...},
-     "schema_version": 4,
+     "schema_version": 5,
      "sites":     {"<site name>": {"backend":..., "impl_id":..., "op":..., "params":{...},
-                                   "source_fingerprint":..., "tp":..., "version":...}, ...}}
+                                   "source_fingerprint":..., "tp":..., "version":...}, ...},
+     "speculation": "invariant" | "none" | "<method>/<k>"}
 
 Sites are a JSON object keyed by site name, so the bytes do not depend on the order in which
 a side happens to enumerate its modules (Megatron and vLLM walk their models differently).
@@ -31,6 +32,10 @@ and a TP=1 engine whose every site claims invariance therefore hash equal, while
 the claim pins the degree it ran at. The `parallel` section declares the whole layout, one
 entry per dimension (`isoexec.contract.parallel_layout`): "invariant" or the degree. Schema 1
 had no `parallel` section and is refused (rebuild the contract).
+
+Speculation: `speculation` says what speculative decoding means for the side's bits
+(`isoexec.contract.speculation`): "invariant" on a canonical side, else the method and k it
+speculates with, or "none". Schema 4 had no such entry and is refused (rebuild the contract).
 """
 
 from __future__ import annotations
@@ -70,6 +75,7 @@ from isoexec.contract.contract_validate import validate
 from isoexec.contract.device import detect_device
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.parallel_layout import SERIAL_LAYOUT, ParallelLayout, ParallelLayoutError
+from isoexec.contract.speculation import NONE, SpeculationError, check_speculation
 
 
 class HasNameOp(Protocol):
@@ -90,6 +96,7 @@ class Contract:
     device: DeviceIdentity
     sites: tuple[SiteRecord, ...]
     parallel: ParallelLayout = SERIAL_LAYOUT
+    speculation: str = NONE
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
@@ -124,6 +131,7 @@ class Contract:
                 "patches": list(self.device.patches),
             },
             "parallel": self.parallel.to_dict(),
+            "speculation": self.speculation,
             "sites": {
                 s.name: {
                     "op": s.impl.op,
@@ -205,11 +213,14 @@ class Contract:
                 f"(known: {', '.join(map(str, sorted(KNOWN_SCHEMA_VERSIONS)))})"
             )
         _exact_keys(
-            top, {"schema_version", "model", "dtypes", "device", "parallel", "sites"}, "contract"
+            top,
+            {"schema_version", "model", "dtypes", "device", "parallel", "speculation", "sites"},
+            "contract",
         )
         try:
             parallel = ParallelLayout.from_dict(_obj(top["parallel"], "parallel"))
-        except ParallelLayoutError as e:
+            speculation = check_speculation(top["speculation"])
+        except (ParallelLayoutError, SpeculationError) as e:
             raise ContractError(str(e)) from None
         m = _obj(top["model"], "model")
         _exact_keys(m, {"architecture", "config_digest", "layer_kinds"}, "model")
@@ -269,7 +280,7 @@ class Contract:
                 source_fingerprint=_str(s["source_fingerprint"], f"{where}.source_fingerprint"),
             )
             sites.append(SiteRecord(name, impl, _str(s["tp"], f"{where}.tp")))
-        return Contract(model, dtypes, device, tuple(sites), parallel, version)
+        return Contract(model, dtypes, device, tuple(sites), parallel, speculation, version)
 
     # -- files -------------------------------------------------------------------------------
 
@@ -323,10 +334,12 @@ class ContractBuilder:
         *,
         tp_size: int = 1,
         parallel: ParallelLayout | None = None,
+        speculation: str = NONE,
     ) -> None:
         if type(tp_size) is not int or tp_size < 1:
             raise ContractError(f"tp_size must be a positive integer, got {tp_size!r}")
         self.parallel = parallel
+        self.speculation = speculation
         self.model = model
         self.dtypes = dtypes
         self.device = device
@@ -367,7 +380,8 @@ class ContractBuilder:
         if parallel is None:  # TP only: what the sites say; the other dimensions at degree 1
             invariant = all(s.tp_invariant for s in self._sites.values())
             parallel = ParallelLayout(tp=TP_INVARIANT if invariant else str(self.tp_size))
-        return Contract(self.model, self.dtypes, device, tuple(self._sites.values()), parallel)
+        sites = tuple(self._sites.values())
+        return Contract(self.model, self.dtypes, device, sites, parallel, self.speculation)
 
 
 def build_contract(
@@ -380,10 +394,13 @@ def build_contract(
     tp_invariant: bool | Collection[str] = False,
     expected_sites: Iterable[str | HasNameOp] | None = None,
     parallel: ParallelLayout | None = None,
+    speculation: str = NONE,
 ) -> Contract:
     """One-call form of `ContractBuilder`: `sites` in model order; `tp_invariant` is True (every
     site claims TP invariance), False, or the names of the sites that claim it."""
-    b = ContractBuilder(model, dtypes, device, tp_size=tp_size, parallel=parallel)
+    b = ContractBuilder(
+        model, dtypes, device, tp_size=tp_size, parallel=parallel, speculation=speculation
+    )
     pairs = list(sites.items() if isinstance(sites, Mapping) else sites)
     names = {n for n, _ in pairs}
     if not isinstance(tp_invariant, bool):

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from isoexec.contract.impl import ImplInfo
 
-SCHEMA_VERSION = 4  # 3: the patches; 4: "backend" renamed "device" (the device identity)
+SCHEMA_VERSION = 5  # 3: the patches; 4: "backend" renamed "device"; 5: "speculation"
 KNOWN_SCHEMA_VERSIONS = frozenset({SCHEMA_VERSION})
 TP_INVARIANT = "invariant"
 

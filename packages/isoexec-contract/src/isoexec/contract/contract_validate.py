@@ -1,6 +1,6 @@
 """Contract validation: refuse, on building and on loading, a contract that could not be
 compared honestly (unknown schema, malformed site names or hashes, impls inconsistent with
-their op, a TP record that contradicts the parallel layout)."""
+their op, a TP record that contradicts the parallel layout, a malformed speculation entry)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from isoexec.contract.contract_types import (
 )
 from isoexec.contract.impl import NATIVE_PREFIX, ImplInfo
 from isoexec.contract.parallel_layout import ParallelLayout
+from isoexec.contract.speculation import SpeculationError, check_speculation
 
 if TYPE_CHECKING:
     from isoexec.contract.contract import Contract
@@ -48,6 +49,10 @@ def validate(c: Contract) -> None:
         raise ContractError("device.patches: must be a tuple of non-empty strings")
     if not isinstance(c.parallel, ParallelLayout):
         raise ContractError(f"parallel: must be a ParallelLayout, got {c.parallel!r}")
+    try:
+        check_speculation(c.speculation)
+    except SpeculationError as e:
+        raise ContractError(str(e)) from None
     if not isinstance(c.sites, tuple) or not c.sites:
         raise ContractError("a contract needs at least one site (as a tuple of SiteRecord)")
     seen: set[str] = set()

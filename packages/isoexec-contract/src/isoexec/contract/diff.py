@@ -98,6 +98,7 @@ def diff(a: Contract, b: Contract, *, max_listed: int = 3) -> ContractDiff:
         glob("device", f"patches[{p}]", p in a.device.patches, p in b.device.patches)
     for f in ("tp", "pp", "ep", "dp"):
         glob("parallel", f, getattr(a.parallel, f), getattr(b.parallel, f))
+    glob("speculation", "verification", a.speculation, b.speculation)
 
     # Sites: model order of the left side, right-only sites merged in by the right's order.
     left = {s.name: s for s in a.sites}

@@ -22,6 +22,7 @@ from isoexec.contract.contract import (
 from isoexec.contract.impl import ImplInfo
 from isoexec.contract.parallel_layout import declared_layout
 from isoexec.contract.sites import architecture, layer_kinds, model_sites, num_experts
+from isoexec.contract.speculation import declared_speculation
 
 # HF config fields that change the bits of a forward pass (names, paths and ids do not).
 NUMERIC_CONFIG_FIELDS = (
@@ -120,6 +121,8 @@ def contract_for(
     pp_size: int = 1,
     ep_size: int = 1,
     dp_size: int = 1,
+    speculative: tuple[str, int] | None = None,
+    canonical_verifier: bool = True,
 ) -> Contract:
     """The contract of `hf_config` at `dtype` with what each site actually runs, on a side
     running at these parallel degrees.
@@ -127,13 +130,17 @@ def contract_for(
     TP-invariant sites (`tp_invariant_sites`) record "invariant", the others `tp_size`: a
     trainer at TP=2 and an engine at TP=1 agree exactly when every site that differs in TP
     is TP-invariant. The `parallel` section follows `parallel_layout.declared_layout`, the
-    same rule on both sides. Refuses (ContractError) if `sites` misses a site of the model or
-    records the wrong op.
+    same rule on both sides. `speculative`: the engine's (method, k) when it speculates, and
+    `canonical_verifier` whether its rejection sampler is IsoExec's; the `speculation` entry
+    follows `speculation.declared_speculation`. Refuses (ContractError) if `sites` misses a site
+    of the model or records the wrong op.
     """
     invariant = tp_invariant_sites(sites)
+    canonical = not any(i.is_native for i in sites.values())
+    method, k = speculative if speculative is not None else (None, None)
     parallel = declared_layout(
         all_sites_tp_invariant=invariant == set(sites),
-        canonical=not any(i.is_native for i in sites.values()),
+        canonical=canonical,
         moe=num_experts(hf_config) > 0,
         tp=tp_size, pp=pp_size, ep=ep_size, dp=dp_size,
     )  # fmt: skip
@@ -146,4 +153,7 @@ def contract_for(
         tp_invariant=invariant,
         expected_sites=model_sites(hf_config),
         parallel=parallel,
+        speculation=declared_speculation(
+            canonical=canonical, method=method, num_tokens=k, canonical_verifier=canonical_verifier
+        ),
     )

@@ -88,8 +88,28 @@ def _lora_impl(vllm_config: Any) -> Any:
     )
 
 
-def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> Contract:
-    """The contract of the model and sampler this worker runs, at its parallel degrees."""
+def speculation_of(vllm_config: Any, sampler: Any, rejection_sampler: Any) -> dict[str, Any]:
+    """`contract_for`'s speculation arguments for this engine: its (method, k) when it
+    speculates, and whether its verifier is IsoExec's: the model runner's rejection sampler
+    when given, else the one built over `sampler` (`IsoRejectionSampler` registers there)."""
+    spec = vllm_config.speculative_config
+    if spec is None:
+        return {"speculative": None}
+    from isoexec.vllm.spec_decode import IsoRejectionSampler
+
+    if rejection_sampler is None:
+        rejection_sampler = getattr(sampler, "isoexec_rejection_sampler", None)
+    return {
+        "speculative": (str(spec.method), int(spec.num_speculative_tokens)),
+        "canonical_verifier": isinstance(rejection_sampler, IsoRejectionSampler),
+    }
+
+
+def worker_contract(
+    model: torch.nn.Module, sampler: Any, vllm_config: Any, rejection_sampler: Any = None
+) -> Contract:
+    """The contract of the model and sampler this worker runs, at its parallel degrees, and of
+    its rejection sampler when it speculates (`speculation_of`)."""
     from vllm.distributed import get_tensor_model_parallel_world_size
 
     if is_installed() and not has_admission(vllm_config):
@@ -111,8 +131,14 @@ def worker_contract(model: torch.nn.Module, sampler: Any, vllm_config: Any) -> C
     ep = tp * par.data_parallel_size if par.enable_expert_parallel else 1
     return contract_for(
         hf, dtype, sites, tp_size=tp, pp_size=par.pipeline_parallel_size, ep_size=ep,
-        dp_size=par.data_parallel_size,
+        dp_size=par.data_parallel_size, **speculation_of(vllm_config, sampler, rejection_sampler),
     )  # fmt: skip
 
 
-__all__ = ["EngineSettingsError", "checkpoint_config", "effective_config", "worker_contract"]
+__all__ = [
+    "EngineSettingsError",
+    "checkpoint_config",
+    "effective_config",
+    "speculation_of",
+    "worker_contract",
+]

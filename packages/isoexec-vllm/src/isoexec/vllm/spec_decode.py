@@ -68,6 +68,9 @@ class IsoRejectionSampler(RejectionSampler):
         if not isinstance(sampler, IsoSampler):  # refused as the engine is built
             raise UnsupportedSiteError("IsoExec's rejection sampler needs IsoExec's sampler")
         super().__init__(sampler, *args, **kwargs)
+        # The verifier the runner built, found through its sampler by the worker's contract
+        # (a served worker reads it back from the sampler alone: `engine_contract`).
+        sampler.isoexec_rejection_sampler = self
 
     def forward(  # type: ignore[override]
         self,

@@ -50,7 +50,8 @@ class IsoWorkerExtension:
         from isoexec.vllm.engine_contract import worker_contract
 
         runner = self.model_runner
-        return worker_contract(runner.model, runner.sampler, self.vllm_config).to_bytes()
+        rejection = getattr(runner, "rejection_sampler", None)  # built only when speculating
+        return worker_contract(runner.model, runner.sampler, self.vllm_config, rejection).to_bytes()
 
     # ---- handshake and the weight gate ------------------------------------------------------
     def isoexec_handshake(
