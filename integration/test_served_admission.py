@@ -288,3 +288,5 @@ def test_a_speculating_server_offers_an_invariant_contract_and_matches(
                 verdict = client.offer("speculating-run", "trainer", 0, trainer)
     assert verdict.outcome == "MATCH", verdict.diff
     assert verdict.contract_hash == trainer.hash
+    settings = {p.label: dict(p.settings) for p in verdict.participants}
+    assert settings["engine/0"] == {"speculative": "ngram/3", "tensor_parallel_size": "1"}

@@ -183,6 +183,10 @@ def test_the_contract_records_speculation_and_a_stock_verifier_is_refused(
     assert Contract.from_bytes(engine.call("contract")).speculation == "invariant"
     t_verdict, e_verdict = handshake(trainer, engine, run_id="speculating-engine")
     assert t_verdict.matched and e_verdict["outcome"] == "MATCH", e_verdict
+    # what the contract does not hash, the verdict reports: the engine's method and k
+    reported = {"speculative": "ngram/3", "tensor_parallel_size": "1"}
+    assert {p.label: dict(p.settings) for p in t_verdict.participants}["engine/0"] == reported
+    assert e_verdict["settings"]["engine/0"] == reported
     engine.call("collective_rpc", _stock_verifier)
     try:
         swapped = Contract.from_bytes(engine.call("contract"))

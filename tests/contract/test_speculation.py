@@ -90,9 +90,7 @@ def _contract(
     )
 
 
-def test_a_canonical_engine_speculating_matches_its_trainer_and_a_stock_verifier_is_refused() -> (
-    None
-):
+def test_a_canonical_engine_speculating_matches_its_trainer_not_behind_a_stock_verifier() -> None:
     trainer = _contract(None)
     engine = _contract(("ngram", 3))
     assert trainer.speculation == engine.speculation == INVARIANT

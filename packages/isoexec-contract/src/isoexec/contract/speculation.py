@@ -19,7 +19,7 @@ The rule (`declared_speculation`), one for both sides:
 - "<method>/<k>": speculating with a verifier or ops whose bits depend on it.
 
 A canonical engine's own method and k are reported beside the contract, in the handshake
-offer's settings (`isoexec.contract.side_settings`), where they are shown but not hashed.
+offer's settings (`isoexec.handshake.side_settings`), where they are shown but not hashed.
 """
 
 from __future__ import annotations

@@ -52,6 +52,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         q.add_argument("--timeout", type=float, default=60.0, metavar="S")
         if name == "offer":
             q.add_argument("file", help="contract file")
+            q.add_argument(
+                "--setting",
+                action="append",
+                default=[],
+                metavar="KEY=VALUE",
+                help="what this participant runs unhashed, reported in the verdict (repeatable)",
+            )
     return p
 
 
@@ -168,6 +175,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _participant(args: argparse.Namespace) -> int:
     from isoexec.contract.contract import Contract, ContractError
     from isoexec.handshake.client import HandshakeClient
+    from isoexec.handshake.side_settings import SideSettingsError, format_settings
     from isoexec.handshake.types import HandshakeError
 
     token = _token(args)
@@ -182,14 +190,32 @@ def _participant(args: argparse.Namespace) -> int:
                 contract = Contract.load(args.file)
             except (OSError, ContractError) as e:
                 raise _BadInput(f"{args.file}: {e}") from None
-            verdict = client.offer(args.run_id, args.side, args.rank, contract)
-        except HandshakeError as e:
+            verdict = client.offer(
+                args.run_id, args.side, args.rank, contract, settings=_settings(args.setting)
+            )
+        except (HandshakeError, SideSettingsError) as e:
             raise _BadInput(f"refused: {e}") from None
     print(f"{verdict.outcome} (run {verdict.run_id}, generation {verdict.generation})")
     if not verdict.matched:
         print(verdict.summary)
         for line in verdict.diff:
             print(line)
-        return 1
-    print(verdict.contract_hash)
-    return 0
+    else:
+        print(verdict.contract_hash)
+    for p in verdict.participants:
+        if p.settings:
+            print(f"settings {p.label}: {format_settings(p.settings)}")
+    return 0 if verdict.matched else 1
+
+
+def _settings(pairs: list[str]) -> dict[str, str]:
+    """`--setting KEY=VALUE` options as a mapping (checked by the client)."""
+    from isoexec.handshake.side_settings import SideSettingsError
+
+    out: dict[str, str] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or key in out:
+            raise SideSettingsError(f"--setting {pair!r}: expected KEY=VALUE, each key once")
+        out[key] = value
+    return out

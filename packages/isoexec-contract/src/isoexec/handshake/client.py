@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import random
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import grpc
@@ -19,6 +20,7 @@ from isoexec.contract.canary import pack
 from isoexec.contract.contract import Contract
 from isoexec.handshake._gen import handshake_pb2 as pb
 from isoexec.handshake.canary_board import CanaryVerdict
+from isoexec.handshake.side_settings import check_settings
 from isoexec.handshake.tls import ClientTLS
 from isoexec.handshake.types import (
     CANARY_METHOD,
@@ -105,16 +107,24 @@ class HandshakeClient:
         contract: Contract | bytes,
         *,
         timeout_s: float | None = None,
+        settings: Mapping[str, str] | None = None,
     ) -> Verdict:
         """Offer this participant's contract and wait for the run's verdict.
 
+        `settings`: what this participant runs that its contract does not hash, reported in
+        the verdict and never compared (`side_settings`; checked here before sending).
         Returns MATCH or MISMATCH (call `.raise_for_mismatch()` to stop on a mismatch);
         raises `HandshakeError` when the offer is refused or the deadline passes.
         """
         data = contract.to_bytes() if isinstance(contract, Contract) else bytes(contract)
         claimed = hashlib.sha256(data).hexdigest()
         req = pb.OfferRequest(
-            run_id=run_id, side=side, rank=rank, contract=data, claimed_hash=claimed
+            run_id=run_id,
+            side=side,
+            rank=rank,
+            contract=data,
+            claimed_hash=claimed,
+            settings=dict(check_settings(settings)),
         )
         if req.ByteSize() > self.max_message_bytes:
             raise HandshakeError(

@@ -48,6 +48,7 @@ def _label(key: Key) -> str:
 @dataclass(eq=False)
 class _Offer:
     contract: Contract
+    settings: tuple[tuple[str, str], ...] = ()
     waiters: int = 1
     verdict: Verdict | None = None
     failure: str | None = None
@@ -114,9 +115,11 @@ class Rendezvous:
         *,
         deadline: float = float("inf"),
         cancelled: Callable[[], bool] = lambda: False,
+        settings: tuple[tuple[str, str], ...] = (),
     ) -> Verdict:
         """Offer and wait for the verdict. `deadline` is this caller's (time.monotonic) limit;
-        `cancelled` is polled whenever the caller is woken (see `wake`)."""
+        `cancelled` is polled whenever the caller is woken (see `wake`). `settings`: what the
+        participant runs unhashed (`side_settings.check_settings`), reported in the verdict."""
         self.check_participant(side, rank)
         key: Key = (side, rank)
         with self._lock:
@@ -132,17 +135,18 @@ class Rendezvous:
                 run = _Run(run_id, threading.Condition(self._lock))
                 self._runs[run_id] = run
             if run.settled:
-                return self._reoffer(run, key, contract)
-            return self._wait_first_round(run, key, contract, deadline, cancelled)
+                return self._reoffer(run, key, _Offer(contract, settings))
+            return self._wait_first_round(run, key, _Offer(contract, settings), deadline, cancelled)
 
     def _wait_first_round(
         self,
         run: _Run,
         key: Key,
-        contract: Contract,
+        new: _Offer,
         deadline: float,
         cancelled: Callable[[], bool],
     ) -> Verdict:
+        contract = new.contract
         existing = run.pending.get(key)
         if existing is not None and existing.contract.hash != contract.hash:
             raise HandshakeError(
@@ -155,7 +159,7 @@ class Rendezvous:
             offer = existing
             offer.waiters += 1
         else:
-            offer = _Offer(contract)
+            offer = new
             run.pending[key] = offer
             if run.round_deadline is None:
                 run.round_deadline = time.monotonic() + self.timeout_s
@@ -209,8 +213,8 @@ class Rendezvous:
         shown = ", ".join(missing[:8]) + (" …" if len(missing) > 8 else "")
         return f"{len(missing)} of {len(self._all)} participants missing: {shown}"
 
-    def _reoffer(self, run: _Run, key: Key, contract: Contract) -> Verdict:
-        run.latest[key] = _Offer(contract)
+    def _reoffer(self, run: _Run, key: Key, new: _Offer) -> Verdict:
+        run.latest[key] = new
         verdict = self._evaluate(run, run.latest)
         run.latest[key].verdict = verdict
         return verdict
@@ -221,7 +225,9 @@ class Rendezvous:
         groups: dict[str, list[Key]] = {}
         for k in keys:
             groups.setdefault(offers[k].contract.hash, []).append(k)
-        participants = tuple(ParticipantHash(k[0], k[1], offers[k].contract.hash) for k in keys)
+        participants = tuple(
+            ParticipantHash(k[0], k[1], offers[k].contract.hash, offers[k].settings) for k in keys
+        )
         ref_hash = offers[keys[0]].contract.hash
         if len(groups) == 1:
             verdict = Verdict(MATCH, run.run_id, run.generation, ref_hash, participants)

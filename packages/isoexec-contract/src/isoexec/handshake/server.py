@@ -32,6 +32,7 @@ from isoexec.contract.contract import Contract, ContractError, SchemaVersionErro
 from isoexec.handshake._gen import handshake_pb2 as pb
 from isoexec.handshake.canary_board import CanaryBoard
 from isoexec.handshake.rendezvous import Rendezvous
+from isoexec.handshake.side_settings import SideSettingsError, check_settings, format_settings
 from isoexec.handshake.tls import ServerTLS, check_plaintext_allowed
 from isoexec.handshake.types import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -269,6 +270,10 @@ class HandshakeServer:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except ContractError as e:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid contract: {e}")
+        try:
+            settings = check_settings(dict(req.settings))
+        except SideSettingsError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"invalid settings: {e}")
         context.add_callback(self.rendezvous.wake)
         try:
             verdict = self.rendezvous.offer(
@@ -278,9 +283,13 @@ class HandshakeServer:
                 contract,
                 deadline=_deadline(context),
                 cancelled=lambda: not context.is_active(),
+                settings=settings,
             )
         except HandshakeError as e:
             context.abort(e.code, e.details)
+        log.info("isoexec offer %s/%d run %s: contract %s… [%s]: %s", req.side, req.rank,
+                 req.run_id, contract.hash[:12], format_settings(settings),
+                 verdict.outcome)  # fmt: skip
         return verdict.to_proto()
 
     def _offer_canary(self, req: Any, context: grpc.ServicerContext) -> Any:

@@ -41,9 +41,13 @@ class ContractMismatchError(Exception):
 
 @dataclass(frozen=True)
 class ParticipantHash:
+    """One participant's hash in a verdict, with the settings it offered beside its contract
+    (sorted pairs, `side_settings`: reported, never compared)."""
+
     side: str
     rank: int
     contract_hash: str
+    settings: tuple[tuple[str, str], ...] = ()
 
     @property
     def label(self) -> str:
@@ -80,7 +84,12 @@ class Verdict:
             generation=self.generation,
             contract_hash=self.contract_hash,
             participants=[
-                pb.ParticipantHash(side=p.side, rank=p.rank, contract_hash=p.contract_hash)
+                pb.ParticipantHash(
+                    side=p.side,
+                    rank=p.rank,
+                    contract_hash=p.contract_hash,
+                    settings=dict(p.settings),
+                )
                 for p in self.participants
             ],
             summary=self.summary,
@@ -104,7 +113,8 @@ class Verdict:
             generation=msg.generation,
             contract_hash=msg.contract_hash,
             participants=tuple(
-                ParticipantHash(p.side, p.rank, p.contract_hash) for p in msg.participants
+                ParticipantHash(p.side, p.rank, p.contract_hash, tuple(sorted(p.settings.items())))
+                for p in msg.participants
             ),
             summary=msg.summary,
             diff=tuple(msg.diff),

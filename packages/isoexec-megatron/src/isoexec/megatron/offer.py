@@ -24,6 +24,22 @@ def trainer_rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def trainer_settings(model: torch.nn.Module) -> dict[str, str]:
+    """What this rank runs that a canonical contract declares "invariant" (its parallel
+    degrees), offered beside the contract and reported in the verdict
+    (`isoexec.handshake.side_settings`)."""
+    from isoexec.megatron.readback import _parallel_degrees
+
+    tp = getattr(getattr(model, "config", None), "tensor_model_parallel_size", 1)
+    pp, ep, dp = _parallel_degrees()
+    return {
+        "tensor_parallel_size": str(tp),
+        "pipeline_parallel_size": str(pp),
+        "expert_parallel_size": str(ep),
+        "data_parallel_size": str(dp),
+    }
+
+
 def offer_contract(
     model: torch.nn.Module,
     hf_config: Any,
@@ -45,7 +61,7 @@ def offer_contract(
     contract = trainer_contract(model, hf_config, dtype)
     with HandshakeClient(address, token, timeout_s=timeout_s, tls=tls) as client:
         return client.offer(run_id, TRAINER_SIDE, trainer_rank() if rank is None else rank,
-                            contract)  # fmt: skip
+                            contract, settings=trainer_settings(model))  # fmt: skip
 
 
-__all__ = ["offer_contract", "trainer_rank"]
+__all__ = ["offer_contract", "trainer_rank", "trainer_settings"]

@@ -105,6 +105,16 @@ def speculation_of(vllm_config: Any, sampler: Any, rejection_sampler: Any) -> di
     }
 
 
+def worker_settings(vllm_config: Any) -> dict[str, str]:
+    """What this worker runs that a canonical contract declares "invariant" (its speculative
+    method and k, its TP degree), offered beside the contract and reported in the verdict
+    (`isoexec.handshake.side_settings`)."""
+    spec = vllm_config.speculative_config
+    speculative = "none" if spec is None else f"{spec.method}/{spec.num_speculative_tokens}"
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return {"speculative": speculative, "tensor_parallel_size": str(tp)}
+
+
 def worker_contract(
     model: torch.nn.Module, sampler: Any, vllm_config: Any, rejection_sampler: Any = None
 ) -> Contract:
@@ -141,4 +151,5 @@ __all__ = [
     "effective_config",
     "speculation_of",
     "worker_contract",
+    "worker_settings",
 ]

@@ -36,7 +36,7 @@ def served_handshake(vllm_config: Any) -> ServedHandshake | None:
 
 def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thread | None:
     """Start this worker's offer (if the engine was given a handshake); returns its thread."""
-    from isoexec.vllm.engine_contract import worker_contract
+    from isoexec.vllm.engine_contract import worker_contract, worker_settings
     from isoexec.vllm.logprobs import built_sampler
     from vllm.distributed import get_tensor_model_parallel_rank
 
@@ -54,7 +54,8 @@ def offer_when_loaded(model: torch.nn.Module, vllm_config: Any) -> threading.Thr
         build = lambda: _after_lora_wrapping(  # noqa: E731
             model, lambda: worker_contract(model, sampler, vllm_config)
         )
-    thread = threading.Thread(target=_offer, args=(settings, token, rank, build),
+    offered = worker_settings(vllm_config)  # beside the contract, unhashed
+    thread = threading.Thread(target=_offer, args=(settings, token, rank, build, offered),
                               name="isoexec-offer", daemon=True)  # fmt: skip
     thread.start()
     return thread
@@ -80,7 +81,9 @@ def _after_lora_wrapping(model: torch.nn.Module, build: Any) -> Any:
     return build()
 
 
-def _offer(settings: ServedHandshake, token: str, rank: int, build: Any) -> None:
+def _offer(
+    settings: ServedHandshake, token: str, rank: int, build: Any, offered: dict[str, str]
+) -> None:
     from isoexec.handshake.client import HandshakeClient
 
     tls = settings.client_tls()
@@ -90,12 +93,14 @@ def _offer(settings: ServedHandshake, token: str, rank: int, build: Any) -> None
         weight_gate.STATE.last_verdict = f"ERROR: {e}"
         log.error("isoexec: engine rank %d: no contract to offer: %s", rank, e)
         return
-    log.info("isoexec: engine rank %d offers contract %s to %s (run %s)", rank,
-             contract.hash[:12], settings.address, settings.run_id)  # fmt: skip
+    log.info("isoexec: engine rank %d offers contract %s to %s (run %s; %s)", rank,
+             contract.hash[:12], settings.address, settings.run_id,
+             " ".join(f"{k}={v}" for k, v in sorted(offered.items())))  # fmt: skip
     try:
         with HandshakeClient(settings.address, token, timeout_s=settings.timeout_s,
                              tls=tls) as client:  # fmt: skip
-            verdict = client.offer(settings.run_id, ENGINE_SIDE, rank, contract)
+            verdict = client.offer(settings.run_id, ENGINE_SIDE, rank, contract,
+                                   settings=offered)  # fmt: skip
     except Exception as e:  # the worker keeps serving, uncleared: no weights can be pushed
         weight_gate.STATE.last_verdict = f"ERROR: {e}"
         log.error("isoexec: engine rank %d: the handshake failed: %s", rank, e)

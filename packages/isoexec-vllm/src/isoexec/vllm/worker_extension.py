@@ -69,13 +69,15 @@ class IsoWorkerExtension:
         (ca, cert, key) to reach a TLS handshake service."""
         from isoexec.handshake.client import HandshakeClient
         from isoexec.handshake.tls import ClientTLS
+        from isoexec.vllm.engine_contract import worker_settings
 
         rank = int(rank_offset) + int(getattr(self, "rank", 0))
         client_tls = ClientTLS(**tls) if tls else None
 
         weight_gate.revoke()  # no weights while this offer is open or if it does not MATCH
         with HandshakeClient(address, token, timeout_s=timeout_s, tls=client_tls) as client:
-            verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract())
+            verdict = client.offer(run_id, ENGINE_SIDE, rank, self.isoexec_contract(),
+                                   settings=worker_settings(self.vllm_config))  # fmt: skip
         weight_gate.STATE.last_verdict = verdict.outcome
         if verdict.matched:
             weight_gate.grant(weight_gate.Clearance(address, token, run_id, rank, client_tls))
@@ -84,6 +86,7 @@ class IsoWorkerExtension:
             "hash": verdict.contract_hash,
             "summary": verdict.summary,
             "diff": list(verdict.diff),
+            "settings": {p.label: dict(p.settings) for p in verdict.participants},
         }
 
     def isoexec_load_weights(

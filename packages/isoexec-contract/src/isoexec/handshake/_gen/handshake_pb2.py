@@ -24,29 +24,37 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aisoexec/v1/handshake.proto\x12\nisoexec.v1\"b\n\x0cOfferRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x10\n\x08\x63ontract\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63laimed_hash\x18\x05 \x01(\t\"D\n\x0fParticipantHash\x12\x0c\n\x04side\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rcontract_hash\x18\x03 \x01(\t\"\x81\x02\n\x07Verdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.isoexec.v1.Verdict.Outcome\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x15\n\rcontract_hash\x18\x04 \x01(\t\x12\x31\n\x0cparticipants\x18\x05 \x03(\x0b\x32\x1b.isoexec.v1.ParticipantHash\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12\x0c\n\x04\x64iff\x18\x07 \x03(\t\";\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\t\n\x05MATCH\x10\x01\x12\x0c\n\x08MISMATCH\x10\x02\":\n\x0cQueryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"9\n\nQueryReply\x12\x1b\n\x13may_receive_weights\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"f\n\rCanaryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x17\n\x0fweights_version\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\"\xa2\x01\n\rCanaryVerdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.isoexec.v1.Verdict.Outcome\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\x04\x12\x11\n\treference\x18\x04 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\r\x12\x0f\n\x07summary\x18\x06 \x01(\t2\xca\x01\n\x10\x43ontractExchange\x12\x36\n\x05Offer\x12\x18.isoexec.v1.OfferRequest\x1a\x13.isoexec.v1.Verdict\x12\x39\n\x05Query\x12\x18.isoexec.v1.QueryRequest\x1a\x16.isoexec.v1.QueryReply\x12\x43\n\x0bOfferCanary\x12\x19.isoexec.v1.CanaryRequest\x1a\x19.isoexec.v1.CanaryVerdictb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aisoexec/v1/handshake.proto\x12\nisoexec.v1\"\xcd\x01\n\x0cOfferRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x10\n\x08\x63ontract\x18\x04 \x01(\x0c\x12\x14\n\x0c\x63laimed_hash\x18\x05 \x01(\t\x12\x38\n\x08settings\x18\x06 \x03(\x0b\x32&.isoexec.v1.OfferRequest.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb2\x01\n\x0fParticipantHash\x12\x0c\n\x04side\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x15\n\rcontract_hash\x18\x03 \x01(\t\x12;\n\x08settings\x18\x04 \x03(\x0b\x32).isoexec.v1.ParticipantHash.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x02\n\x07Verdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.isoexec.v1.Verdict.Outcome\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x04\x12\x15\n\rcontract_hash\x18\x04 \x01(\t\x12\x31\n\x0cparticipants\x18\x05 \x03(\x0b\x32\x1b.isoexec.v1.ParticipantHash\x12\x0f\n\x07summary\x18\x06 \x01(\t\x12\x0c\n\x04\x64iff\x18\x07 \x03(\t\";\n\x07Outcome\x12\x17\n\x13OUTCOME_UNSPECIFIED\x10\x00\x12\t\n\x05MATCH\x10\x01\x12\x0c\n\x08MISMATCH\x10\x02\":\n\x0cQueryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\"9\n\nQueryReply\x12\x1b\n\x13may_receive_weights\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"f\n\rCanaryRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0c\n\x04side\x18\x02 \x01(\t\x12\x0c\n\x04rank\x18\x03 \x01(\r\x12\x17\n\x0fweights_version\x18\x04 \x01(\x04\x12\x10\n\x08logprobs\x18\x05 \x01(\x0c\"\xa2\x01\n\rCanaryVerdict\x12,\n\x07outcome\x18\x01 \x01(\x0e\x32\x1b.isoexec.v1.Verdict.Outcome\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x17\n\x0fweights_version\x18\x03 \x01(\x04\x12\x11\n\treference\x18\x04 \x01(\t\x12\x16\n\x0e\x66irst_position\x18\x05 \x01(\r\x12\x0f\n\x07summary\x18\x06 \x01(\t2\xca\x01\n\x10\x43ontractExchange\x12\x36\n\x05Offer\x12\x18.isoexec.v1.OfferRequest\x1a\x13.isoexec.v1.Verdict\x12\x39\n\x05Query\x12\x18.isoexec.v1.QueryRequest\x1a\x16.isoexec.v1.QueryReply\x12\x43\n\x0bOfferCanary\x12\x19.isoexec.v1.CanaryRequest\x1a\x19.isoexec.v1.CanaryVerdictb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'isoexec.v1.handshake_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_OFFERREQUEST']._serialized_start=42
-  _globals['_OFFERREQUEST']._serialized_end=140
-  _globals['_PARTICIPANTHASH']._serialized_start=142
-  _globals['_PARTICIPANTHASH']._serialized_end=210
-  _globals['_VERDICT']._serialized_start=213
-  _globals['_VERDICT']._serialized_end=470
-  _globals['_VERDICT_OUTCOME']._serialized_start=411
-  _globals['_VERDICT_OUTCOME']._serialized_end=470
-  _globals['_QUERYREQUEST']._serialized_start=472
-  _globals['_QUERYREQUEST']._serialized_end=530
-  _globals['_QUERYREPLY']._serialized_start=532
-  _globals['_QUERYREPLY']._serialized_end=589
-  _globals['_CANARYREQUEST']._serialized_start=591
-  _globals['_CANARYREQUEST']._serialized_end=693
-  _globals['_CANARYVERDICT']._serialized_start=696
-  _globals['_CANARYVERDICT']._serialized_end=858
-  _globals['_CONTRACTEXCHANGE']._serialized_start=861
-  _globals['_CONTRACTEXCHANGE']._serialized_end=1063
+  _globals['_OFFERREQUEST_SETTINGSENTRY']._loaded_options = None
+  _globals['_OFFERREQUEST_SETTINGSENTRY']._serialized_options = b'8\001'
+  _globals['_PARTICIPANTHASH_SETTINGSENTRY']._loaded_options = None
+  _globals['_PARTICIPANTHASH_SETTINGSENTRY']._serialized_options = b'8\001'
+  _globals['_OFFERREQUEST']._serialized_start=43
+  _globals['_OFFERREQUEST']._serialized_end=248
+  _globals['_OFFERREQUEST_SETTINGSENTRY']._serialized_start=201
+  _globals['_OFFERREQUEST_SETTINGSENTRY']._serialized_end=248
+  _globals['_PARTICIPANTHASH']._serialized_start=251
+  _globals['_PARTICIPANTHASH']._serialized_end=429
+  _globals['_PARTICIPANTHASH_SETTINGSENTRY']._serialized_start=201
+  _globals['_PARTICIPANTHASH_SETTINGSENTRY']._serialized_end=248
+  _globals['_VERDICT']._serialized_start=432
+  _globals['_VERDICT']._serialized_end=689
+  _globals['_VERDICT_OUTCOME']._serialized_start=630
+  _globals['_VERDICT_OUTCOME']._serialized_end=689
+  _globals['_QUERYREQUEST']._serialized_start=691
+  _globals['_QUERYREQUEST']._serialized_end=749
+  _globals['_QUERYREPLY']._serialized_start=751
+  _globals['_QUERYREPLY']._serialized_end=808
+  _globals['_CANARYREQUEST']._serialized_start=810
+  _globals['_CANARYREQUEST']._serialized_end=912
+  _globals['_CANARYVERDICT']._serialized_start=915
+  _globals['_CANARYVERDICT']._serialized_end=1077
+  _globals['_CONTRACTEXCHANGE']._serialized_start=1080
+  _globals['_CONTRACTEXCHANGE']._serialized_end=1282
 # @@protoc_insertion_point(module_scope)

@@ -8,28 +8,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class OfferRequest(_message.Message):
-    __slots__ = ("run_id", "side", "rank", "contract", "claimed_hash")
+    __slots__ = ("run_id", "side", "rank", "contract", "claimed_hash", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     SIDE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_FIELD_NUMBER: _ClassVar[int]
     CLAIMED_HASH_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     side: str
     rank: int
     contract: bytes
     claimed_hash: str
-    def __init__(self, run_id: _Optional[str] = ..., side: _Optional[str] = ..., rank: _Optional[int] = ..., contract: _Optional[bytes] = ..., claimed_hash: _Optional[str] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, run_id: _Optional[str] = ..., side: _Optional[str] = ..., rank: _Optional[int] = ..., contract: _Optional[bytes] = ..., claimed_hash: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ParticipantHash(_message.Message):
-    __slots__ = ("side", "rank", "contract_hash")
+    __slots__ = ("side", "rank", "contract_hash", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SIDE_FIELD_NUMBER: _ClassVar[int]
     RANK_FIELD_NUMBER: _ClassVar[int]
     CONTRACT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     side: str
     rank: int
     contract_hash: str
-    def __init__(self, side: _Optional[str] = ..., rank: _Optional[int] = ..., contract_hash: _Optional[str] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, side: _Optional[str] = ..., rank: _Optional[int] = ..., contract_hash: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class Verdict(_message.Message):
     __slots__ = ("outcome", "run_id", "generation", "contract_hash", "participants", "summary", "diff")
