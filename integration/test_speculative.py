@@ -1,9 +1,9 @@
 """Speculative decoding (vLLM's n-gram proposer) under IsoExec, on real engines and a real
 Megatron trainer.
 
-The engine verifies k=3 drafts per step in one forward over k+1 positions, and vLLM's rejection
-rule decides which survive; IsoExec's rejection sampler (`isoexec.vllm.spec_decode`) gives it
-canonical rows. Checked here: drafts are accepted (the path is exercised, not skipped), every
+The engine verifies k=3 drafts per step (also k=1 and k=5) in one forward over k+1 positions,
+and vLLM's rejection rule decides which survive; IsoExec's rejection sampler
+(`isoexec.vllm.spec_decode`) gives it canonical rows. Checked here: drafts are accepted (the path is exercised, not skipped), every
 returned logprob (accepted, recovered and bonus tokens) is bitwise the trainer's scoring of the
 finished sequence with the request's settings, and a greedy request's tokens and bits are the
 same with and without speculation. Negative controls: the same completions scored without
@@ -78,8 +78,11 @@ def _restore_verifier(worker: Any) -> None:
     runner.rejection_sampler = runner.isoexec_kept_verifier
 
 
-def _spec_engine(engine_pool: Callable[..., Any], model: str, dtype: str = "float32") -> Any:
-    return engine_pool(model=model, dtype=dtype, isoexec=True, speculative=NGRAM)
+def _spec_engine(
+    engine_pool: Callable[..., Any], model: str, dtype: str = "float32", k: int = 3
+) -> Any:
+    ngram = tuple((key, k if key == "num_speculative_tokens" else v) for key, v in NGRAM)
+    return engine_pool(model=model, dtype=dtype, isoexec=True, speculative=ngram)
 
 
 def _score(trainer: Any, done: list[Any], temps: list[float] = TEMPS, settings: bool = True) -> Any:
@@ -124,6 +127,28 @@ def test_speculated_tokens_are_bitwise_the_trainers(
     for i, c in zip(greedy, again, strict=True):
         assert c.token_ids == done[i].token_ids, i
         assert c.logprobs == done[i].logprobs, i
+
+
+@pytest.mark.parametrize("k", [1, 5])
+def test_bitwise_at_other_draft_lengths(
+    k: int,
+    tiny_dense_dir: str,
+    engine_pool: Callable[..., Any],
+    trainer_factory: Callable[..., Any],
+) -> None:
+    """k=1 (a verification chunk of 2 rows) and k=5 (6 rows): drafts are accepted, and every
+    returned logprob is still the trainer's processed logprob of that token at that position."""
+    engine = _spec_engine(engine_pool, tiny_dense_dir, k=k)
+    before = engine.call("spec_decode_counts")
+    done = sample(engine, PROMPTS, TEMPS, TOKENS, truncations=TRUNCS, penalties=PENALTIES)
+    proposed, accepted = (a - b for a, b in zip(engine.call("spec_decode_counts"), before,
+                                                 strict=True))  # fmt: skip
+    print(f"k={k}: n-gram drafts {accepted}/{proposed} accepted")
+    assert proposed > 0 and accepted > 0
+    trainer = trainer_factory(tiny_dense_dir, "float32", isoexec=True)
+    train, eng = _score(trainer, done)
+    assert torch.equal(train, eng), (train - eng).abs().max()
+    assert not torch.equal(_score(trainer, done, settings=False)[0], eng)  # negative control
 
 
 @pytest.mark.parametrize(
