@@ -3,13 +3,14 @@ Megatron trainer.
 
 The engine verifies k=3 drafts per step (also k=1 and k=5) in one forward over k+1 positions,
 and vLLM's rejection rule decides which survive; IsoExec's rejection sampler
-(`isoexec.vllm.spec_decode`) gives it canonical rows. Checked here: drafts are accepted (the path is exercised, not skipped), every
-returned logprob (accepted, recovered and bonus tokens) is bitwise the trainer's scoring of the
-finished sequence with the request's settings, and a greedy request's tokens and bits are the
-same with and without speculation. Negative controls: the same completions scored without
-their settings differ, and an engine whose draft rows forget the drafts before them (a changed
-penalty history) is caught. The contract: the speculating engine declares "invariant" and
-MATCHes its trainer; behind vLLM's own rejection sampler it declares "ngram/3" and is refused.
+(`isoexec.vllm.spec_decode`) gives it canonical rows. Checked here: drafts are accepted (the
+path is exercised, not skipped), every returned logprob (accepted, recovered and bonus tokens)
+is bitwise the trainer's scoring of the finished sequence with the request's settings, and a
+greedy request's tokens and bits are the same with and without speculation. Negative
+controls: the same completions scored without their settings differ, and an engine whose draft
+rows forget the drafts before them (a changed penalty history) is caught. The contract: the
+speculating engine declares "invariant" and MATCHes its trainer; behind vLLM's own rejection
+sampler it declares "ngram/3" and is refused.
 """
 
 from __future__ import annotations

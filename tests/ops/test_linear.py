@@ -14,6 +14,7 @@ from isoexec.ops import (
     get_impl,
     linear,
     linear_tp_invariant,
+    onednn_rows,
     tp_leaf_partials,
     tp_linear_from_shards,
     tp_tree_sum,
@@ -291,7 +292,7 @@ def _padded_reference(x: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
     m = x.shape[0]
     xp = F.pad(x, (0, 0, 0, -(-m // r) * r - m))
     wp = torch.ops.mkldnn._reorder_linear_weight(w, r)
-    return torch.cat([gemm._onednn_rows(b.contiguous(), wp) for b in xp.split(r)])[:m]
+    return torch.cat([onednn_rows.onednn_rows(b.contiguous(), wp) for b in xp.split(r)])[:m]
 
 
 @pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
@@ -317,20 +318,65 @@ def test_short_last_block_has_the_padded_blocks_bits(dtype, k, n):
 def test_short_block_pads_where_the_check_sees_other_bits(monkeypatch):
     """Negative control: a GEMM whose rows change with the row count (as oneDNN's do at m = 1
     on some shapes) fails the check, and the block is padded: the result is the padded one."""
-    real = gemm._onednn_rows
+    real = onednn_rows.onednn_rows
 
     def row_count_dependent(x, packed):
         y = real(x, packed)
         return y if x.shape[0] == 32 else y * (1 + 2**-20)
 
-    monkeypatch.setattr(gemm, "_onednn_rows", row_count_dependent)
-    monkeypatch.setattr(gemm, "_SHORT_BLOCK_ROWS", {})
+    monkeypatch.setattr(onednn_rows, "onednn_rows", row_count_dependent)
+    monkeypatch.setattr(gemm, "onednn_rows", row_count_dependent)
+    monkeypatch.setattr(onednn_rows, "SHORT_BLOCK_ROWS", {})
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(N, K, generator=g), torch.randn(8, K, generator=g)
     got = linear(x, w)
-    assert set(gemm._SHORT_BLOCK_ROWS.values()) == {32}  # checked, refused: padded
+    assert set(onednn_rows.SHORT_BLOCK_ROWS.values()) == {32}  # checked, refused: padded
     assert torch.equal(got, real(F.pad(x, (0, 0, 0, 24)), gemm._packed_weight(w, 32))[:8])
     # without the fake: the same bits, whichever way this CPU's check goes
-    monkeypatch.setattr(gemm, "_onednn_rows", real)
-    monkeypatch.setattr(gemm, "_SHORT_BLOCK_ROWS", {})
+    monkeypatch.setattr(onednn_rows, "onednn_rows", real)
+    monkeypatch.setattr(gemm, "onednn_rows", real)
+    monkeypatch.setattr(onednn_rows, "SHORT_BLOCK_ROWS", {})
     assert torch.equal(linear(x, w), got)
+
+
+@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("k", "n"), [(512, 1536), (1536, 512), (1024, 300)])
+def test_whole_blocks_in_one_call_have_each_blocks_bits(dtype, k, n):
+    """Whole blocks run as one oneDNN call where the check saw that give each block's bits
+    (#37: a prefill or a micro-batch streamed the weight once per 32 rows): 2 to 12 blocks,
+    with and without a short tail, at 1 and 2 threads, give the bits of the blocks computed
+    one by one as the definition says."""
+    if not gemm._prepacked(dtype):
+        pytest.skip(f"oneDNN has no prepacked {dtype} GEMM on this CPU")
+    g = torch.Generator().manual_seed(k + n + 1)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(12 * 32 + 5, k, generator=g).to(dtype)
+    for threads in (1, 2):
+        with num_threads(threads):
+            for m in (64, 69, 96, 256, 261, 384):
+                assert torch.equal(linear(x[:m], w), _padded_reference(x[:m], w, 32)), (threads, m)
+    seen = {key[4] for key in onednn_rows.WHOLE_BLOCKS_AT_ONCE if key[:3] == (n, k, dtype)}
+    assert {2, 3, 8, 12} <= seen  # the check ran for each block count
+
+
+@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
+def test_whole_blocks_run_one_by_one_where_the_check_sees_other_bits(monkeypatch):
+    """Negative control: a GEMM whose rows change when a call holds more than one block fails
+    the check, and the blocks run one by one: the result is the definition's."""
+    real = onednn_rows.onednn_rows
+
+    def block_count_dependent(x, packed):
+        y = real(x, packed)
+        return y if x.shape[0] <= 32 else y * (1 + 2**-20)
+
+    monkeypatch.setattr(onednn_rows, "onednn_rows", block_count_dependent)
+    monkeypatch.setattr(gemm, "onednn_rows", block_count_dependent)
+    monkeypatch.setattr(onednn_rows, "WHOLE_BLOCKS_AT_ONCE", {})
+    g = torch.Generator().manual_seed(6)
+    w, x = torch.randn(N, K, generator=g), torch.randn(128, K, generator=g)
+    got = linear(x, w)
+    assert list(onednn_rows.WHOLE_BLOCKS_AT_ONCE.values()) == [False]  # checked, refused
+    assert torch.equal(got, _padded_reference(x, w, 32))
+    # the fake is caught, not a coincidence: one call over the 4 blocks has other bits
+    assert not torch.equal(block_count_dependent(x, gemm._packed_weight(w, 32)), got)

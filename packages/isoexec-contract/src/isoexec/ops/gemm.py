@@ -27,6 +27,7 @@ from functools import cache
 import torch
 
 from ._autograd import grad_wanted
+from .onednn_rows import onednn_rows, short_block_rows, whole_blocks_at_once
 
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_TP_LEAVES = 8
@@ -223,54 +224,12 @@ def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
     )
 
 
-def _onednn_rows(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x @ W.T through oneDNN's prepacked primitive (x contiguous, any number of rows)."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [None], "")
-
-
-# (N, K, dtype, block_rows, m, threads) -> rows the GEMM of a block holding m real rows must
-# compute: m where oneDNN was seen to give those m rows the bits of the full block, else the
-# full block (`_short_block_rows`).
-_SHORT_BLOCK_ROWS: dict[tuple[int, int, torch.dtype, int, int, int], int] = {}
-# A check packs a random weight of the real shape up to this many elements (a projection);
-# above it (a vocabulary-sized head) it checks with the real weight.
-_CHECK_RANDOM_WEIGHT_MAX = 16 * 2**20
-
-
-def _short_block_rows(weight: torch.Tensor, packed: torch.Tensor, block_rows: int, m: int) -> int:
-    """Rows to compute for a block of `m` real rows: `m`, if oneDNN gives m rows the bits
-    they get inside the full zero-padded block, else `block_rows` (pad as the definition says).
-
-    Why: a decode step of 8 sequences pays a 32-row GEMM, about 2.6x the 8-row one (#37). The
-    canonical bits stay those of the padded block: a row of a oneDNN GEMM depends on which
-    kernel and K order oneDNN picks, which it picks from the shapes and the thread count, not
-    the values. So once per (shape, dtype, m, threads) two GEMMs on random rows, the full
-    block and its first m rows, are compared bit for bit; only an exact match lets m rows run
-    (measured on AMD EPYC: every m from 2 to 31 matches, m = 1 takes another kernel at some
-    shapes and pads). The random weight keeps a zero or low-rank weight (a LoRA B at init)
-    from passing a check its values make trivial."""
-    n, k = weight.shape
-    key = (n, k, weight.dtype, block_rows, m, torch.get_num_threads())
-    rows = _SHORT_BLOCK_ROWS.get(key)
-    if rows is None:
-        g = torch.Generator().manual_seed(m)
-        x = torch.randn(block_rows, k, generator=g).to(weight.dtype)
-        probe = packed
-        if n * k <= _CHECK_RANDOM_WEIGHT_MAX:
-            w = torch.randn(n, k, generator=g).to(weight.dtype)
-            probe = torch.ops.mkldnn._reorder_linear_weight(w, block_rows)
-        full = _onednn_rows(x, probe)
-        same = torch.equal(_onednn_rows(x[:m], probe), full[:m])
-        rows = _SHORT_BLOCK_ROWS[key] = m if same else block_rows
-    return rows
-
-
 def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch.Tensor:
     """y = x @ weight.T over rows in fixed blocks of `block_rows` (x 2-D, same dtype).
 
     Every block is the same-shape GEMM; the last block is zero-padded to `block_rows`. (With
-    oneDNN's prepacked primitive a last block of m rows may compute only those m, where
-    `_short_block_rows` has seen that give the padded block's bits.)
+    oneDNN's prepacked primitive, a last block of m rows may compute only those m and the whole
+    blocks may run as one call, where `onednn_rows` has seen that give the definition's bits.)
     """
     m = x.shape[0]
     n = weight.shape[0]
@@ -281,17 +240,23 @@ def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch
         whole = m - m % r
         tail = m - whole
         if whole == 0 and tail:  # one short block (a decode step, an expert's rows)
-            rows = _short_block_rows(weight, wp, r, tail)
+            rows = short_block_rows(weight, wp, r, tail)
             xp = x if rows == tail else torch.nn.functional.pad(x, (0, 0, 0, rows - tail))
-            return _onednn_rows(xp, wp)[:m]
+            return onednn_rows(xp, wp)[:m]
+        at_once = whole_blocks_at_once(weight, wp, r, whole // r)
+        if at_once and not tail:
+            return onednn_rows(x, wp)
         out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        for i in range(0, whole, r):
-            out[i : i + r] = _onednn_rows(x[i : i + r], wp)
+        if at_once:
+            out[:whole] = onednn_rows(x[:whole], wp)
+        else:
+            for i in range(0, whole, r):
+                out[i : i + r] = onednn_rows(x[i : i + r], wp)
         if tail:
-            rows = _short_block_rows(weight, wp, r, tail)
+            rows = short_block_rows(weight, wp, r, tail)
             xt = x[whole:]
             xt = xt if rows == tail else torch.nn.functional.pad(xt, (0, 0, 0, rows - tail))
-            out[whole:] = _onednn_rows(xt, wp)[:tail]
+            out[whole:] = onednn_rows(xt, wp)[:tail]
         return out
     mp = -(-m // r) * r if m else 0
     xp = x.contiguous() if mp == m else torch.nn.functional.pad(x, (0, 0, 0, mp - m))
