@@ -11,32 +11,16 @@ Usage: python benchmarks/lm_head_bench.py [--reps N] [--rows 1,8,256] [--dtypes 
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+from ops_bench import median_pair  # this directory: alternated medians, one rule
 
 from isoexec import ops
 
 # (name, hidden, vocab): Qwen3-0.6B's head and Qwen3.5-35B-A3B's.
 HEADS = (("qwen3-0.6b", 1024, 151936), ("qwen3.5-35b-a3b", 2048, 248320))
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def _median_pair(
-    a: Callable[[], object], b: Callable[[], object], reps: int
-) -> tuple[float, float]:
-    a()
-    b()
-    ta, tb = [], []
-    for _ in range(reps):
-        for f, acc in ((a, ta), (b, tb)):
-            t0 = time.perf_counter()
-            f()
-            acc.append(time.perf_counter() - t0)
-    return statistics.median(ta), statistics.median(tb)
 
 
 def main() -> None:
@@ -77,7 +61,7 @@ def main() -> None:
                         logits = F.linear(x, w)
                         return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])
 
-                    c, n = _median_pair(canonical, native, args.reps)
+                    c, n = median_pair(canonical, native, args.reps)
                     print(f"{name:<18}{dn:<6}{m:>6}{c * 1e3:>14.2f}{n * 1e3:>11.2f}{c / n:>8.2f}",
                           flush=True)  # fmt: skip
                 ops.gemm.clear_packed_weight_cache()

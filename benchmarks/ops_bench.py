@@ -20,9 +20,7 @@ from isoexec import ops
 HID, INTER, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 1024, 2816, 16, 4, 64, 32000
 
 
-def _median_pair(
-    a: Callable[[], object], b: Callable[[], object], reps: int
-) -> tuple[float, float]:
+def median_pair(a: Callable[[], object], b: Callable[[], object], reps: int) -> tuple[float, float]:
     a()
     b()
     ta, tb = [], []
@@ -170,7 +168,7 @@ def main() -> None:
     print(f"{'op':<16}{'M':>6}  {'dtype':<5}{'canonical ms':>14}{'native ms':>12}{'ratio':>8}")
     for name, m, dn, can, nat in cases(ms):
         with torch.no_grad():
-            tc, tn = _median_pair(can, nat, args.reps)
+            tc, tn = median_pair(can, nat, args.reps)
         print(f"{name:<16}{m:>6}  {dn:<5}{tc * 1e3:>14.3f}{tn * 1e3:>12.3f}{tc / tn:>8.2f}")
 
 

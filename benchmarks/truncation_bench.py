@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from ops_bench import _median_pair  # (this directory: run as a script)
+from ops_bench import median_pair  # (this directory: run as a script)
 
 from isoexec.ops.truncation import Truncation, truncation_mask
 
@@ -41,7 +41,7 @@ def main() -> None:
             rows = cut.rows(b, "cpu")
             k = None if cut.top_k <= 0 else torch.full((b,), cut.top_k, dtype=torch.int32)
             p = torch.full((b,), cut.top_p)
-            ours, theirs = _median_pair(
+            ours, theirs = median_pair(
                 lambda: truncation_mask(x, temps, rows),  # noqa: B023
                 lambda: apply_top_k_top_p_pytorch(x / 0.6, k, p, allow_cpu_sync=True),  # noqa: B023
                 args.reps,
