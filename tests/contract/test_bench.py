@@ -133,6 +133,20 @@ def test_speculation_is_reported_with_its_speedup_and_drafts() -> None:
     assert spec["drafts"]["native"] == {"proposed": 30, "accepted": 9}
 
 
+def test_speculative_prompts_repeat_a_pattern_and_the_default_ones_do_not() -> None:
+    """`--speculative` benches greedy on prompts that loop (n-gram drafts are accepted on a
+    random-weight model only there); the default prompts are random, as before."""
+    plain = bench.make_prompts(3, 8192)
+    assert plain == bench.make_prompts(3, 8192)  # deterministic
+    assert all(len(p) == bench.PROMPT_LEN and max(p) < 1000 for p in plain)
+    assert all(p[:4] != p[4:8] for p in plain)  # not a loop
+    looped = bench.make_prompts(3, 8192, period=bench.SPECULATIVE_PERIOD)
+    for p in looped:
+        assert len(p) == bench.PROMPT_LEN
+        assert all(p[i] == p[i % 4] for i in range(len(p)))
+    assert len({tuple(p[:4]) for p in looped}) == 3  # each its own pattern
+
+
 def test_missing_sides_trainer_only_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without Megatron, `--no-trainer` still runs; without vLLM nothing does."""
     real = importlib.util.find_spec

@@ -125,12 +125,20 @@ def make_model(
     return make_tiny_model(preset, out, dtype=dtype, overrides=overrides)
 
 
-def make_prompts(prompts: int, vocab: int, seed: int = 0) -> list[list[int]]:
+# `--speculative`: the prompts repeat a pattern of this many tokens.
+SPECULATIVE_PERIOD = 4
+
+
+def make_prompts(prompts: int, vocab: int, seed: int = 0, *, period: int = 0) -> list[list[int]]:
+    """Random prompts of PROMPT_LEN tokens; with `period`, each repeats a random pattern of that
+    many tokens (what n-gram drafts need to be accepted on a random-weight model)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     high = min(1000, vocab)
-    return [torch.randint(high, (PROMPT_LEN,), generator=gen).tolist() for _ in range(prompts)]
+    n = period or PROMPT_LEN
+    rows = [torch.randint(high, (n,), generator=gen).tolist() for _ in range(prompts)]
+    return [(r * (PROMPT_LEN // n + 1))[:PROMPT_LEN] for r in rows]
 
 
 def bench_engine(
@@ -151,7 +159,10 @@ def bench_engine(
     tokens, reps, dtype = run.shape["tokens"], run.reps, run.dtype
     assert dtype is not None  # resolved when the run was built
     adapter = None if lora is None else LoraAdapter("bench", 1, str(lora))
-    spec = SamplingSpec(max_tokens=tokens, temperature=1.0, lora=adapter)
+    # Speculating: greedy, so a random-weight model continues its prompt's loop and n-gram
+    # drafts are accepted (at temperature 1 none are: the cost of speculation alone).
+    temperature = 0.0 if run.speculative else 1.0
+    spec = SamplingSpec(max_tokens=tokens, temperature=temperature, lora=adapter)
     kv = kv_cache_bytes(len(batch), tokens, kv_bytes_per_token(model))
     eager = mode == "eager"
 
@@ -183,7 +194,7 @@ def bench_engine(
         _progress(mode, f"engines ready in {time.monotonic() - t0:.1f} s; warming up")
         if adapter is not None:
             _add_bench_adapter(engines, adapter, dtype)
-        warm = SamplingSpec(max_tokens=min(tokens, 8), temperature=1.0, lora=adapter)
+        warm = SamplingSpec(max_tokens=min(tokens, 8), temperature=temperature, lora=adapter)
         for eng in engines.values():  # the timed batch's shapes, prefill and decode
             eng.generate(batch, warm)
         for rep in range(reps):
@@ -368,7 +379,8 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
     p.add_argument("--speculative", type=int, default=0, metavar="K",
                    help="both engine arms speculate with vLLM's n-gram drafts of K tokens; a "
                    "third engine, IsoExec without speculation, gives the speedup speculation "
-                   "brings with IsoExec on (dense, MoE)")  # fmt: skip
+                   "brings with IsoExec on (dense, MoE); greedy, on prompts that repeat a "
+                   f"{SPECULATIVE_PERIOD}-token pattern, so that drafts are accepted")  # fmt: skip
     p.add_argument("--out", default=DEFAULT_OUT, help="where bench.json and bench.png go")
     p.add_argument("--verbose", action="store_true",
                    help="show the engines' and the trainer's own logs (by default the engine "
@@ -413,7 +425,8 @@ def run_bench(run: BenchRun) -> dict[str, Any]:
         logging.getLogger("megatron").setLevel(logging.ERROR)
     run.out.mkdir(parents=True, exist_ok=True)
     size, dtype = run.shape, str(run.dtype)
-    batch = make_prompts(size["prompts"], size["vocab"])
+    period = SPECULATIVE_PERIOD if run.speculative else 0
+    batch = make_prompts(size["prompts"], size["vocab"], period=period)
     engine: dict[str, Any] = {}
     trainer_doc: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isoexec-bench-") as tmp:
