@@ -64,7 +64,11 @@ def policy_results(
         model=model_factory("tiny-dense", "float32"), dtype="float32", tp=1, isoexec=True,
         train=True, export_after_step=True, max_tokens=MAX_TOKENS, policy=POLICY,
     )  # fmt: skip
-    return {dp: run_tp_jobs([job], SEQS, nproc=dp)[0] for dp in (1, 2)}
+    out: dict[Any, dict[str, Any]] = {dp: run_tp_jobs([job], SEQS, nproc=dp)[0] for dp in (1, 2)}
+    # PP=2 x DP=2: four ranks, each pipeline stage's DP pair splits the packs
+    staged = [{**job, "pp": 2}, {**{k: v for k, v in job.items() if k != "policy"}, "pp": 2}]
+    out["pp2", "policy"], out["pp2", "train"] = run_tp_jobs(staged, SEQS, nproc=4)
+    return out
 
 
 def test_the_policy_step_splits_over_dp_and_equals_dp1_bitwise(policy_results: dict) -> None:
@@ -77,6 +81,27 @@ def test_the_policy_step_splits_over_dp_and_equals_dp1_bitwise(policy_results: d
     assert one["policy"]["ratio_dev_max"] == 0.0 == two["policy"]["ratio_dev_max"]
     before = torch.cat(one["logprobs"])
     assert not torch.equal(before, torch.cat(one["logprobs_after_step"]))  # it stepped
+
+
+def test_at_pp2_the_dp_ranks_split_the_step_and_equal_dp1_bitwise(
+    policy_results: dict, dp_results: dict
+) -> None:
+    """PP=2 x DP=2 (four ranks): each stage's two DP ranks compute 2 of the 4 packs through
+    Megatron's pipeline schedule, and both steps (the policy step and `train_step`'s) are
+    bitwise DP=1's at PP=1."""
+    one, staged = policy_results[1], policy_results["pp2", "policy"]
+    assert staged["stage"][:2] == (0, 2) and staged["policy"]["units"] == 2.0
+    assert _weights_equal(one["weights_after_step"], staged["weights_after_step"])
+    assert one["policy"]["loss"] == staged["policy"]["loss"]
+    assert staged["policy"]["ratio_dev_max"] == 0.0
+    train_one, train_staged = dp_results["tiny-dense", 1, False], policy_results["pp2", "train"]
+    assert _weights_equal(train_one["weights_after_step"], train_staged["weights_after_step"])
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(
+            train_one["logprobs_after_step"], train_staged["logprobs_after_step"], strict=True
+        )
+    )
 
 
 def _weights_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -41,6 +41,9 @@ TOP4 = {"num_experts_per_tok": 4}
 TRAIN_SEQS = SEQS_BY_RANK[0] + SEQS_BY_RANK[1]
 MAX_TOKENS_FOR_PACKS = {4: 16, 3: 22}
 CASES = [("tiny-moe-top4", "float32"), ("tiny-moe-top4", "bfloat16"), ("tiny-gdn", "float32")]
+# `policy_train_step` on TRAIN_SEQS: each completion starts at its prompt length; the old
+# logprobs are the model's own (ratio exactly 1 before the update).
+POLICY = {"prompt_lens": [4, 3, 2, 6, 1, 2], "advantages": [1.0, -1.0, 0.5, -0.5, 1.0, -1.0]}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +80,12 @@ def ep_results(
                 train=True, export_after_step=True, seqs=TRAIN_SEQS,
                 max_tokens=MAX_TOKENS_FOR_PACKS[packs],
             )  # fmt: skip
+    for ep in (1, 2):  # the clipped policy loss (GRPO's step) through the same EP driver
+        named["policy", ep] = dict(
+            model=top4, dtype="float32", tp=1, ep=ep, isoexec=True, train=True,
+            export_after_step=True, seqs=TRAIN_SEQS, max_tokens=MAX_TOKENS_FOR_PACKS[4],
+            policy=POLICY,
+        )  # fmt: skip
     named["train-as-ddp"] = dict(
         model=top4, dtype="float32", tp=1, ep=2, isoexec=True, train=True,
         export_after_step=True, seqs=TRAIN_SEQS, max_tokens=MAX_TOKENS_FOR_PACKS[4],
@@ -136,6 +145,19 @@ def test_ep2_train_step_equals_ep1_bitwise(ep_results: dict, dtype: str, packs: 
     before = -torch.cat(one["logprobs"]).double().mean().item()
     after = -torch.cat(one["logprobs_after_step"]).double().mean().item()
     assert after < before  # the step learned
+
+
+def test_ep2_policy_step_equals_ep1_bitwise(ep_results: dict) -> None:
+    """GRPO's clipped step at EP=2 (each rank its packs, each expert's rank summing every
+    unit's gradient) steps to EP=1's weights bit for bit; the ratio before it is exactly 1."""
+    one, two = ep_results["policy", 1], ep_results["policy", 2]
+    assert two["local_experts"] * 2 == one["local_experts"]
+    assert one["policy"]["units"] == two["policy"]["units"] == 2.0  # 4 packs over DP=2
+    assert _weights_equal(one["weights_after_step"], two["weights_after_step"])
+    assert _equal(one["logprobs_after_step"], two["logprobs_after_step"])
+    assert one["policy"]["loss"] == two["policy"]["loss"]
+    assert one["policy"]["ratio_dev_max"] == 0.0 == two["policy"]["ratio_dev_max"]
+    assert not _equal(one["logprobs"], one["logprobs_after_step"])  # it stepped
 
 
 def test_negative_control_ep2_step_as_ddp_takes_it_differs(ep_results: dict) -> None:

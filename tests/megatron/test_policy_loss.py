@@ -68,3 +68,31 @@ def test_policy_step_keeps_the_tp_ranks_replicated_weights_equal(tmp_path, mode:
         assert differ == []
     else:
         assert differ and all("q_layernorm" in n or "k_layernorm" in n for n in differ), differ
+
+
+@pytest.mark.trainer
+def test_policy_train_step_refuses_bad_batches_before_any_forward(
+    parallel: object, model_factory
+) -> None:
+    """Old logprobs that do not cover each completion, and a stock model, are refused on every
+    rank before a forward (a pipeline stage that raised alone would leave the others hanging);
+    the model's weights are untouched."""
+    from isoexec.megatron import build_model, load_hf_weights
+    from isoexec.megatron.policy_loss import policy_train_step
+
+    path = model_factory("tiny-dense", "float32")
+    model = build_model(path, isoexec=True, tp=1, dtype=torch.float32)
+    load_hf_weights(model, path)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    seqs = [[3, 4, 5, 6, 7], [8, 9, 10]]
+    with pytest.raises(ValueError, match=r"sequences \[1\]: old\[i\] must hold one logprob"):
+        policy_train_step(model, opt, seqs, [2, 1], [[0.0] * 3, [0.0] * 3], [1.0, -1.0])
+    with pytest.raises(ValueError, match="counts differ"):
+        policy_train_step(model, opt, seqs, [2], [[0.0] * 3], [1.0, -1.0])
+    with pytest.raises(ValueError, match="at least one completion token"):
+        policy_train_step(model, opt, seqs, [5, 3], [[], []], [1.0, -1.0])
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    stock = build_model(path, isoexec=False, tp=1, dtype=torch.float32)
+    with pytest.raises(TypeError, match="an isoexec model only"):
+        policy_train_step(stock, opt, seqs, [2, 1], [[0.0] * 3, [0.0] * 2], [1.0, -1.0])

@@ -105,7 +105,7 @@ class TrainerActor:
         self.spec, self.rank, self.world, self.lr = spec, rank, world, lr
         self._stack = contextlib.ExitStack()
         self.model: Any = None
-        self.splits_over_dp = False
+        self.pipelined = False
 
     def identity(self) -> RuntimeIdentity:
         return RuntimeIdentity.here()
@@ -140,7 +140,11 @@ class TrainerActor:
                                  options=self.spec.options)  # fmt: skip
         load_hf_weights(self.model, self.model_dir)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=self.lr)
-        self.splits_over_dp = self.spec.isoexec and pp == 1 and ep == 1  # `train_step`
+        self.pipelined = pp > 1
+        if self.spec.isoexec and ep > 1 and getattr(self.model.isoexec_arch, "is_moe", False):
+            from isoexec.megatron.expert_parallel_step import check_expert_parallel_step
+
+            check_expert_parallel_step(self.model)  # a layout the step cannot take: at build
         return self.rank
 
     def offer(
@@ -184,9 +188,9 @@ class TrainerActor:
     ) -> dict[str, float]:  # fmt: skip
         """One clipped policy-gradient step (GRPO's loss) against the engine's logprobs `old`;
         the ratio's deviation before the update is returned with the loss. Every rank gets the
-        whole batch; an IsoExec trainer at PP=1, EP=1 splits it over its DP ranks in packs of
-        `pack_tokens` (`policy_train_step`: bitwise the same step at any DP), elsewhere each
-        DP rank steps on all of it."""
+        whole batch. An IsoExec trainer splits it over its DP ranks in packs of `pack_tokens`
+        (`policy_train_step`: bitwise the same step at any DP, also at PP>1 and EP>1); a
+        stock trainer (the negative control) steps on all of it on every rank, at PP=1."""
         from isoexec.megatron import policy_logprobs
         from isoexec.megatron.policy_loss import (
             clipped_policy_loss,
@@ -195,11 +199,15 @@ class TrainerActor:
             policy_train_step,
         )
 
-        if self.splits_over_dp:
+        if self.spec.isoexec:
             return policy_train_step(self.model, self.opt, sequences, prompt_lens, old,
                                      advantages, temperature=temperature, clip=clip,
                                      max_tokens=pack_tokens)  # fmt: skip
-
+        if self.pipelined:
+            raise NotImplementedError(
+                "train_step: a stock (ISOEXEC off) trainer at PP>1 is not wired (its pipelined "
+                "forward returns no autograd graph); run the stock arm at PP=1"
+            )
         self.model.train()
         self.opt.zero_grad(set_to_none=True)
         lps = policy_logprobs(self.model, sequences, temperature=temperature)

@@ -1,4 +1,4 @@
-"""`train_step`'s gradients at EP>1: the same bits as EP=1 on the same global batch.
+"""A step's gradients at EP>1 (`unit_gradients`): the same bits as EP=1 on the same batch.
 
 At EP=1 a unit's (pack's) expert gradients come from that unit's tokens only, and the units
 are summed in `grad_tree`'s fixed tree. At EP>1 each forward is a collective: DP rank r runs
@@ -21,7 +21,8 @@ import torch
 
 from isoexec.megatron.grad_tree import GradTree, finish_over_dp, padded_units, rank_units
 
-LogprobsFn = Callable[[torch.nn.Module, list[torch.Tensor]], list[torch.Tensor]]
+# global unit -> (its scalar loss, floats to report for it)
+UnitLossOf = Callable[[int], tuple[torch.Tensor, tuple[float, ...]]]
 
 
 def _moe_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -60,12 +61,12 @@ def check_expert_parallel_step(model: torch.nn.Module) -> None:
 def expert_parallel_grads(
     model: torch.nn.Module,
     params: Sequence[torch.nn.Parameter],
-    units: Sequence[list[torch.Tensor]],
-    total: int,
-    logprobs: LogprobsFn,
-) -> tuple[list[torch.Tensor], float]:
-    """(gradient of every parameter in `params`, this rank's loss) for the global batch cut into
-    `units` (the packs; every rank passes all of them). The loss is `-sum(logprobs) / total`.
+    num_units: int,
+    loss_of: UnitLossOf,
+) -> tuple[list[torch.Tensor], dict[int, tuple[float, tuple[float, ...]]]]:
+    """(gradient of every parameter in `params`, {unit: (loss, report)} for this rank's units)
+    for the global batch cut into `num_units` units (the packs), the loss being the sum of
+    `loss_of(unit)` over every unit (`unit_gradients`).
 
     Every rank runs as many forwards: its block of the padded units (`grad_tree.rank_units`),
     a padding unit as a forward of unit 0 whose gradients are dropped, since every MoE layer
@@ -81,10 +82,10 @@ def expert_parallel_grads(
     dense = [p for p in params if id(p) not in expert_ids]
     dense_tree = GradTree(dense)
     by_unit: dict[int, list[torch.Tensor]] = {}  # global unit -> this rank's expert grads
-    loss_sum = 0.0
-    for step, unit in enumerate(rank_units(len(units), dp, rank)):
-        padding = unit >= len(units)
-        loss = -torch.cat(logprobs(model, units[0 if padding else unit])).sum() / total
+    done: dict[int, tuple[float, tuple[float, ...]]] = {}
+    for step, unit in enumerate(rank_units(num_units, dp, rank)):
+        padding = unit >= num_units
+        loss, report = loss_of(0 if padding else unit)
         if padding:
             loss = loss * 0.0
         blocks = [layer.expert_blocks.weights for layer in layers]
@@ -101,18 +102,18 @@ def expert_parallel_grads(
                 per_src[src].append(g13)
                 per_src[src].append(g2)
         for src in range(dp):
-            global_unit = rank_units(len(units), dp, src)[step]
-            if global_unit < len(units):
+            global_unit = rank_units(num_units, dp, src)[step]
+            if global_unit < num_units:
                 by_unit[global_unit] = _unstack(per_src[src], layers)
         if not padding:
-            loss_sum += float(loss.detach())
+            done[unit] = (float(loss.detach()), report)
     expert_tree = GradTree(expert_params)
-    for unit in range(padded_units(len(units), dp)):
+    for unit in range(padded_units(num_units, dp)):
         expert_tree.push(by_unit.get(unit))
     dense_grads = finish_over_dp(dense_tree.result(), ps.get_data_parallel_group(), dp)
     by_param = {id(p): g for p, g in zip(dense, dense_grads, strict=True)}
     by_param.update({id(p): g for p, g in zip(expert_params, expert_tree.result(), strict=True)})
-    return [by_param[id(p)] for p in params], loss_sum
+    return [by_param[id(p)] for p in params], done
 
 
 def _unstack(

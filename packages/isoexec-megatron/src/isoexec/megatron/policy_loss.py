@@ -72,61 +72,75 @@ def policy_train_step(
     clip: float = 0.2,
     max_tokens: int | None = None,
 ) -> dict[str, float]:
-    """One clipped policy-gradient step on the global batch (every DP rank passes all of it),
+    """One clipped policy-gradient step on the global batch (every rank passes all of it),
     split over data parallelism: the batch's packs of <= `max_tokens` tokens are the units,
     each DP rank computes its contiguous block of them, and the unit gradients of
     `-sum(min(r·A, clip(r)·A)) / tokens` are summed in `grad_tree`'s fixed tree, finished over
-    DP. So DP ranks share the work, and the step is bitwise the same at DP=1, 2, 4 (fp32, the
-    same `max_tokens`), as `scoring.train_step`'s. Returns the loss and the ratio's deviation
-    over the whole batch, and `units`: the packs this rank computed. IsoExec models at PP=1
-    and EP=1 only (elsewhere each DP rank steps on
-    the whole batch: `policy_step`)."""
-    from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
+    DP (`unit_gradients`: also at PP>1, and at EP>1 with the EP group spanning DP). So DP
+    ranks share the work, and the step is bitwise the same at DP=1, 2, 4 (the same
+    `max_tokens`), as `scoring.train_step`'s. Returns the loss and the ratio's deviation over
+    the whole batch, and `units`: the packs this rank computed. IsoExec models only (a native
+    model steps with `policy_step`)."""
+    from isoexec.megatron.logprobs import is_isoexec
     from isoexec.megatron.packing import split_into_packs
-    from isoexec.megatron.scoring import packed_logprobs, sum_qk_norm_grads_over_tp
+    from isoexec.megatron.scoring import sum_qk_norm_grads_over_tp
+    from isoexec.megatron.unit_gradients import unit_gradients
     from megatron.core import parallel_state as ps
 
+    if not is_isoexec(model):
+        raise TypeError("policy_train_step runs the canonical ops: an isoexec model only")
+    if not len(sequences) == len(prompt_lens) == len(old) == len(advantages):
+        counts = [len(sequences), len(prompt_lens), len(old), len(advantages)]
+        raise ValueError(f"sequences, prompt_lens, old, advantages: counts differ {counts}")
     lens = [len(o) for o in old]
     total = sum(lens)
     seqs = [torch.tensor(list(s), dtype=torch.int64) for s in sequences]
-    parallel = ps.model_parallel_is_initialized()
-    dp = ps.get_data_parallel_world_size() if parallel else 1
-    rank = ps.get_data_parallel_rank() if parallel else 0
-    params = [p for p in model.parameters() if p.requires_grad]
+    # checked on every rank before any forward: a stage that raised alone would hang the rest
+    wrong = [i for i, (s, n) in enumerate(zip(seqs, prompt_lens, strict=True))
+             if not 1 <= n <= s.numel() or lens[i] != s.numel() - n]  # fmt: skip
+    if wrong:
+        raise ValueError(
+            f"sequences {wrong}: old[i] must hold one logprob per token after prompt_lens[i] "
+            "(and 1 <= prompt_lens[i] <= len(sequences[i]))"
+        )
+    if total == 0:
+        raise ValueError("policy_train_step needs at least one completion token")
     packs = split_into_packs([int(s.numel()) for s in seqs], max_tokens)
-    tree = GradTree(params)
-    loss_sum, dev_max, dev_sum, computed = 0.0, 0.0, 0.0, 0
-    optimizer.zero_grad(set_to_none=True)
-    model.train()
-    for unit in rank_units(len(packs), dp, rank):
-        if unit >= len(packs):  # padding to a power of two: an empty unit
-            tree.push(None)
-            continue
+
+    def unit_loss(unit: int, lps: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[float, ...]]:
         idx = packs[unit]
-        lps = packed_logprobs(model, [seqs[i] for i in idx], temperature)
         new = torch.cat([lps[j][prompt_lens[i] - 1 :] for j, i in enumerate(idx)])
         behaviour = torch.tensor([x for i in idx for x in old[i]], dtype=new.dtype)
         adv = per_token([advantages[i] for i in idx], [lens[i] for i in idx])
         terms, ratio = _surrogate(new, behaviour, adv, clip)
-        loss = -terms.sum() / total
-        tree.push(torch.autograd.grad(loss, params, allow_unused=True))
-        computed += 1
         dev = (ratio.detach() - 1).abs()
-        loss_sum += float(loss.detach())
-        dev_max, dev_sum = max(dev_max, float(dev.max())), dev_sum + float(dev.sum())
-    group = ps.get_data_parallel_group() if dp > 1 else None
-    for p, g in zip(params, finish_over_dp(tree.result(), group, dp), strict=True):
+        return -terms.sum() / total, (float(dev.sum()), float(dev.max()) if dev.numel() else 0.0)
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    model.train()
+    step = unit_gradients(
+        model, params, [[seqs[i] for i in pack] for pack in packs], unit_loss,
+        temperature=temperature,
+    )  # fmt: skip
+    for p, g in zip(params, step.grads, strict=True):
         p.grad = g
-    stats = torch.tensor([loss_sum, dev_sum], dtype=torch.float64)
-    most = torch.tensor([dev_max], dtype=torch.float64)
-    if dp > 1:
+    reports = step.reports.values()
+    stats = torch.tensor([step.loss_sum, sum(r[0] for r in reports)], dtype=torch.float64)
+    most = torch.tensor([max((r[1] for r in reports), default=0.0)], dtype=torch.float64)
+    parallel = ps.model_parallel_is_initialized()
+    if parallel and ps.get_data_parallel_world_size() > 1:
+        group = ps.get_data_parallel_group()
+        dev = params[0].device if params else None  # NCCL reduces CUDA tensors only
+        stats, most = stats.to(dev), most.to(dev)
         torch.distributed.all_reduce(stats, group=group)
         torch.distributed.all_reduce(most, op=torch.distributed.ReduceOp.MAX, group=group)
     sum_qk_norm_grads_over_tp(model)
     optimizer.step()
     model.eval()
+    units = float(len(step.reports))
     return {"loss": float(stats[0]), "ratio_dev_max": float(most[0]),
-            "ratio_dev_mean": float(stats[1]) / total, "units": float(computed)}  # fmt: skip
+            "ratio_dev_mean": float(stats[1]) / total, "units": units}  # fmt: skip
 
 
 __all__ = ["PolicyLoss", "clipped_policy_loss", "per_token", "policy_step", "policy_train_step"]

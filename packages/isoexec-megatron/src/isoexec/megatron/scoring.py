@@ -27,8 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
-from isoexec.megatron.expert_parallel_step import check_expert_parallel_step, expert_parallel_grads
-from isoexec.megatron.grad_tree import GradTree, finish_over_dp, rank_units
+from isoexec.megatron.expert_parallel_step import check_expert_parallel_step
 from isoexec.megatron.logprobs import (
     effective_penalties,
     effective_temperature,
@@ -42,6 +41,7 @@ from isoexec.megatron.logprobs import (
 )
 from isoexec.megatron.packing import Pack, pack_sequences, split_into_packs
 from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
+from isoexec.megatron.unit_gradients import unit_gradients
 from isoexec.ops.penalties import Penalties, RowAdjustments, rows_for_sequences
 from isoexec.ops.truncation import Truncation
 
@@ -187,31 +187,6 @@ def packed_logprobs(
     )
 
 
-def _pipeline_unit_grads(
-    model: torch.nn.Module,
-    params: list[torch.nn.Parameter],
-    seqs: list[torch.Tensor],
-    total: int,
-) -> tuple[list[torch.Tensor | None], float]:
-    """One unit's gradients of `-sum(logprobs) / total` at PP>1, and its loss: forward and
-    backward through Megatron's schedule, the gradients read from `.grad` (zeroed first)."""
-    for p in params:
-        p.grad = None
-    pack = pack_sequences(model, seqs, None)
-
-    def last(logits: torch.Tensor) -> tuple[torch.Tensor, float]:
-        loss = -torch.cat(_pack_logprobs(model, pack, logits, 1.0)).sum() / total
-        return loss, float(loss.detach())
-
-    loss = broadcast_from_last_stage(
-        run_schedule(model, pack.inputs, pack.length, last, forward_only=False)
-    )
-    grads = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    return grads, float(loss)
-
-
 def score(
     model: torch.nn.Module,
     sequences: Sequence[TokenSeq],
@@ -336,12 +311,14 @@ def train_step(
             params = [p for p in model.parameters() if p.requires_grad]
         params = list(params)
         kept = [ids for ids in all_ids if ids.numel() >= 2]
-        packs = split_into_packs([int(i.numel()) for i in kept], max_tokens)
-        if expert_parallel:
-            units = [[kept[i] for i in pack] for pack in packs]
-            grads, loss_sum = expert_parallel_grads(model, params, units, total, packed_logprobs)
-        else:
-            grads, loss_sum = _unit_grads(model, params, kept, packs, total, dp)
+        units = [[kept[i] for i in pack] for pack in split_into_packs(
+            [int(i.numel()) for i in kept], max_tokens)]  # fmt: skip
+
+        def unit_loss(_: int, lps: list[torch.Tensor]) -> tuple[torch.Tensor, tuple[float, ...]]:
+            return -torch.cat(lps).sum() / total, ()
+
+        step = unit_gradients(model, params, units, unit_loss)
+        grads, loss_sum = step.grads, step.loss_sum
         group = ps.get_data_parallel_group() if dp > 1 else None
         for p, g in zip(params, grads, strict=True):
             p.grad = g
@@ -361,39 +338,6 @@ def train_step(
     sum_qk_norm_grads_over_tp(model)
     optimizer.step()
     return loss_sum
-
-
-def _unit_grads(
-    model: torch.nn.Module,
-    params: list[torch.nn.Parameter],
-    kept: list[torch.Tensor],
-    packs: list[list[int]],
-    total: int,
-    dp: int,
-) -> tuple[list[torch.Tensor], float]:
-    """Every parameter's gradient (this DP rank's units in the fixed tree, finished over DP)
-    and this rank's share of the loss."""
-    from megatron.core import parallel_state as ps
-
-    parallel = ps.model_parallel_is_initialized()
-    loss_sum = 0.0
-    tree = GradTree(params)
-    for unit in rank_units(len(packs), dp, ps.get_data_parallel_rank() if parallel else 0):
-        if unit >= len(packs):  # padding to a power of two: an empty unit
-            tree.push(None)
-            continue
-        unit_seqs = [kept[i] for i in packs[unit]]
-        if _pipelined(model):
-            grads, unit_loss = _pipeline_unit_grads(model, params, unit_seqs, total)
-            tree.push(grads)
-            loss_sum += unit_loss
-            continue
-        lps = packed_logprobs(model, unit_seqs)
-        loss = -torch.cat(lps).sum() / total
-        tree.push(torch.autograd.grad(loss, params, allow_unused=True))
-        loss_sum += float(loss.detach())
-    group = ps.get_data_parallel_group() if dp > 1 else None
-    return finish_over_dp(tree.result(), group, dp), loss_sum
 
 
 def sum_qk_norm_grads_over_tp(model: torch.nn.Module) -> None:
