@@ -395,6 +395,35 @@ def test_dp2_trainer_ranks_split_the_step_and_equal_dp1_bitwise(cluster: Cluster
     assert fingerprints[0] == fingerprints[1]
 
 
+@pytest.mark.matrix  # CI time (two runs, two trainer stages on 2 cores); -m matrix (README)
+def test_pp2_trainer_stages_step_and_sync_the_whole_model(cluster: ClusterUnderTest) -> None:
+    """Two trainer ranks as two pipeline stages (PP=2): MATCH, a policy step through Megatron's
+    schedule, and a sync whose parts (each stage's weights) merge into the whole model. The
+    step's weights are bitwise one PP=1 rank's, and the engine is bitwise the trainer again.
+    (Before, a Ray trainer at PP>1 could not step, and its sync sent stage 0's weights only.)"""
+    import ray
+
+    node = cluster.nodes.add_node(num_cpus=2, resources={"pp_trainer_node": 1})
+    fingerprints = []
+    try:
+        for pp in (1, 2):
+            spec = replace(_spec(cluster.tls, eager=True, run_id=f"ray-pp{pp}"),
+                           trainer_ranks=pp, pp=pp, pack_tokens=24,
+                           trainer_bundle={"CPU": 1, "pp_trainer_node": 0.5})  # fmt: skip
+            with RayRun(spec) as r:
+                r.handshake()
+                stats = r.train_step(r.generate(PROMPTS, SAMPLING), [1.0, -1.0, 0.5, -0.5])
+                assert stats["ratio_dev_max"] == 0.0 and stats["units"] == 4.0, stats
+                fingerprints.append(r.trainer_fingerprint())
+                fp = r.sync_weights()
+                assert fp == fingerprints[-1]
+                assert set(ray.get(r.engines[0].weight_fingerprint.remote())) == {fp}
+                assert _bitwise(r)[0]
+    finally:
+        cluster.nodes.remove_node(node)
+    assert fingerprints[0] == fingerprints[1]
+
+
 @pytest.mark.matrix  # CI time (two more engines on 2 cores); run with -m matrix (README)
 def test_two_engines_on_two_more_nodes_take_disjoint_ranks(cluster: ClusterUnderTest) -> None:
     """Two engine actors, one per node (SPREAD): their workers offer as engine/0 and engine/1,

@@ -95,6 +95,17 @@ def run_job(job: dict, seqs: list[list[int]]) -> dict:
         experts = {n.split("local_experts.")[1].split(".")[0] for n, _ in model.named_parameters()
                    if "local_experts." in n}  # fmt: skip
         out["local_experts"] = len(experts)  # routed experts this rank holds (EP splits them)
+        if job.get("whole_fingerprint"):  # the whole model's, and this rank's export alone
+            from isoexec.contract.fingerprint import WeightFingerprint
+            from isoexec.megatron.weights import export_hf_weights
+            from isoexec.megatron.whole_model import owned_exports, whole_model_fingerprint
+
+            out["whole_fingerprint"] = whole_model_fingerprint(model).digest
+            out["own_export_fingerprint"] = WeightFingerprint.of(export_hf_weights(model)).digest
+            owned = [n for n, _ in owned_exports(model)]
+            every: list = [None] * dist.get_world_size()
+            dist.all_gather_object(every, owned)
+            out["owned_by_rank"] = every
         if job.get("plain_gdn_out_proj"):
             plain_gdn_out_proj(model)
         seqs = job.get("seqs", seqs)

@@ -71,6 +71,7 @@ def ep_results(
                 named[name, dtype, iso, ep] = dict(
                     model=model, dtype=dtype, tp=1, ep=ep, isoexec=iso, contract=iso,
                     seqs_by_rank=SEQS_BY_RANK if iso else NATIVE_SEQS_BY_RANK,
+                    whole_fingerprint=iso,
                 )  # fmt: skip
     top4 = models["tiny-moe-top4", "float32"]
     for dtype, packs in (("float32", 4), ("bfloat16", 4), ("float32", 3)):
@@ -173,3 +174,19 @@ def test_negative_control_ep2_step_as_ddp_takes_it_differs(ep_results: dict) -> 
 def test_ep2_native_train_step_and_unequal_forwards_are_refused(ep_results: dict) -> None:
     assert "train_step at EP>1: isoexec models only" in ep_results["native-train-refused"]["error"]
     assert "would run [3, 2] forwards" in ep_results["unequal-forwards-refused"]["error"]
+
+
+@pytest.mark.parametrize(("name", "dtype"), CASES)
+def test_the_whole_model_is_handed_out_once_over_the_ep_ranks(
+    ep_results: dict, name: str, dtype: str
+) -> None:
+    """At EP=2 each rank hands out its own experts and rank 0 the replicated rest (the GDN
+    hybrid's sparse layers too), each weight once, and the merged fingerprint is EP=1's.
+    Negative control: rank 0's export alone (half the experts) is another model."""
+    one, two = ep_results[name, dtype, True, 1], ep_results[name, dtype, True, 2]
+    assert one["whole_fingerprint"] == two["whole_fingerprint"]
+    rank0, rank1 = two["owned_by_rank"]
+    assert not set(rank0) & set(rank1)
+    assert sorted(rank0 + rank1) == sorted(one["owned_by_rank"][0])
+    assert rank1 and all(".mlp.experts." in n for n in rank1), rank1
+    assert two["own_export_fingerprint"] != two["whole_fingerprint"]

@@ -44,6 +44,7 @@ def pp_results(
             named[preset, dtype, "iso", pp] = dict(
                 model=model, dtype=dtype, tp=1, pp=pp, isoexec=True, contract=True,
                 train=dtype == "float32", export_after_step=True, max_tokens=MAX_TOKENS,
+                whole_fingerprint=True,
             )  # fmt: skip
             if preset == "tiny-dense":
                 named[preset, dtype, "native", pp] = dict(
@@ -85,3 +86,19 @@ def test_stock_megatron_pp2_is_pp1_too(pp_results: dict, dtype: str) -> None:
     one = pp_results["tiny-dense", dtype, "native", 1]["logprobs"]
     two = pp_results["tiny-dense", dtype, "native", 2]["logprobs"]
     assert _equal(one, two)
+
+
+@pytest.mark.parametrize(("preset", "dtype"), CASES)
+def test_the_whole_model_is_handed_out_once_over_the_stages(
+    pp_results: dict, preset: str, dtype: str
+) -> None:
+    """At PP=2 each stage hands out its own weights (`whole_model.owned_exports`: what a Ray
+    weight sync publishes per rank), each weight by one rank, and the merged fingerprint is
+    PP=1's. Negative control: rank 0's export alone (a sync from rank 0 only) is another model."""
+    one, two = pp_results[preset, dtype, "iso", 1], pp_results[preset, dtype, "iso", 2]
+    assert one["whole_fingerprint"] == two["whole_fingerprint"]
+    assert two["own_export_fingerprint"] != two["whole_fingerprint"]
+    stage0, stage1 = two["owned_by_rank"]
+    assert stage0 and stage1 and not set(stage0) & set(stage1)
+    assert sorted(stage0 + stage1) == sorted(n for part in one["owned_by_rank"] for n in part)
+    assert one["owned_by_rank"][1] == []  # PP=1 (two DP replicas): rank 0 owns everything

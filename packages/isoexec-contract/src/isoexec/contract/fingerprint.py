@@ -71,6 +71,24 @@ class WeightFingerprint:
             fp.add(name, tensor)
         return fp.finish()
 
+    @staticmethod
+    def from_digests(tensors: Mapping[str, str]) -> WeightFingerprint:
+        """The fingerprint of a set whose per-tensor digests (`tensor_digest`) were computed
+        apart, e.g. by the ranks that each hold part of a model: the same digest as
+        fingerprinting the tensors in one place."""
+        h = hashlib.sha256(_DOMAIN)
+        for name in sorted(tensors):
+            digest = tensors[name]
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"weight name must be a non-empty string, got {name!r}")
+            if not isinstance(digest, str) or len(digest) != 64:
+                raise ValueError(f"{name}: a tensor digest is 64 hex digits, got {digest!r}")
+            encoded = name.encode("utf-8")
+            h.update(len(encoded).to_bytes(8, "little"))
+            h.update(encoded)
+            h.update(bytes.fromhex(digest))
+        return WeightFingerprint(h.hexdigest(), dict(sorted(tensors.items())))
+
     @property
     def count(self) -> int:
         return len(self.tensors)
@@ -95,13 +113,7 @@ class WeightFingerprinter:
         self._digests[name] = tensor_digest(name, tensor)
 
     def finish(self) -> WeightFingerprint:
-        h = hashlib.sha256(_DOMAIN)
-        for name in sorted(self._digests):
-            encoded = name.encode("utf-8")
-            h.update(len(encoded).to_bytes(8, "little"))
-            h.update(encoded)
-            h.update(bytes.fromhex(self._digests[name]))
-        return WeightFingerprint(h.hexdigest(), dict(sorted(self._digests.items())))
+        return WeightFingerprint.from_digests(self._digests)
 
 
 def fingerprint_weights(

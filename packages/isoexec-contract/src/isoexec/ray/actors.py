@@ -220,23 +220,19 @@ class TrainerActor:
         return {"loss": float(pl.loss), "ratio_dev_max": pl.ratio_dev_max,
                 "ratio_dev_mean": pl.ratio_dev_mean}  # fmt: skip
 
-    def publish_weights(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WeightManifest | None:
-        """Every rank exports (the export gathers shards); rank 0 puts the chunks into the
-        object store and returns the manifest, the others None."""
-        from isoexec.megatron import export_hf_weights
+    def publish_weights(self, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> WeightManifest:
+        """This rank's share of the model into the object store (every rank must call: the
+        export gathers); the driver merges the parts (`weights.merge`). At PP=1, EP=1 rank 0
+        owns every weight and the other ranks' parts are empty."""
+        from isoexec.megatron.whole_model import owned_exports
 
-        items = export_hf_weights(self.model)
-        if self.rank != 0:
-            for _ in items:  # take part in the gathers
-                pass
-            return None
-        return publish(items, chunk_bytes)
+        return publish(owned_exports(self.model), chunk_bytes)
 
     def weight_fingerprint(self) -> str:
-        from isoexec.contract.fingerprint import WeightFingerprint
-        from isoexec.megatron import export_hf_weights
+        """The whole model's fingerprint, every stage and expert (every rank must call)."""
+        from isoexec.megatron.whole_model import whole_model_fingerprint
 
-        return WeightFingerprint.of(export_hf_weights(self.model)).digest
+        return whole_model_fingerprint(self.model).digest
 
     def shutdown(self) -> None:
         self._stack.close()

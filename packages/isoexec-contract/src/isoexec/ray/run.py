@@ -25,7 +25,7 @@ from isoexec.ray.actors import EngineActor, HandshakeActor, SideSpec, TrainerAct
 from isoexec.ray.cluster import Bundle, release, reserve
 from isoexec.ray.identity import RuntimeIdentity, require_same
 from isoexec.ray.tls import TLSMaterial
-from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, WeightManifest, free
+from isoexec.ray.weights import DEFAULT_CHUNK_BYTES, WeightManifest, free, merge
 
 
 class RunRefusedError(RuntimeError):
@@ -330,11 +330,16 @@ class RayRun:
     def sync_weights(self, engines: Sequence[int] | None = None) -> str:
         """The trainer's weights to every engine (or `engines`) through the object store;
         each loads through its gate. Returns the fingerprint every engine now holds."""
-        manifest = self._on_trainers(lambda t: t.publish_weights.remote(self.spec.chunk_bytes))
+        import ray
+
+        # every rank publishes its share (at PP>1 its stage, at EP>1 its experts)
+        parts = ray.get([t.publish_weights.remote(self.spec.chunk_bytes) for t in self.trainers])
         try:
-            return self.deliver(manifest, engines)
+            return self.deliver(merge(parts), engines)
         finally:
-            free(manifest)
+            for part in parts:
+                if part.chunks:
+                    free(part)
 
     def deliver(self, manifest: WeightManifest, engines: Sequence[int] | None = None) -> str:
         """Send a published manifest to every engine (or `engines`), all at once; each stages

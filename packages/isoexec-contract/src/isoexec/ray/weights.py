@@ -10,13 +10,13 @@ only if everything staged hashes to that fingerprint, through the weight gate (M
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from isoexec.contract.fingerprint import WeightFingerprinter
+from isoexec.contract.fingerprint import WeightFingerprint, WeightFingerprinter
 
 DEFAULT_CHUNK_BYTES = 32 * 2**20
 
@@ -31,6 +31,7 @@ class WeightManifest:
     chunks: tuple[Any, ...]  # ray.ObjectRef per chunk
     names: tuple[tuple[str, ...], ...]  # the tensor names in each chunk
     nbytes: int
+    digests: Mapping[str, str] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def count(self) -> int:
@@ -68,7 +69,29 @@ def publish(
         size += n
         total += n
     flush()
-    return WeightManifest(fp.finish().digest, tuple(refs), tuple(names), total)
+    done = fp.finish()
+    return WeightManifest(done.digest, tuple(refs), tuple(names), total, done.tensors)
+
+
+def merge(parts: Sequence[WeightManifest]) -> WeightManifest:
+    """One manifest for a model published in parts (each trainer rank its share: at PP>1 its
+    stage, at EP>1 its experts; `isoexec.megatron.whole_model`), fingerprinted as the whole.
+    A weight in two parts is refused: the parts would not say which one to load."""
+    digests: dict[str, str] = {}
+    for part in parts:
+        twice = sorted(set(digests) & set(part.digests))
+        if twice:
+            raise WeightTransferError(f"weights published by two trainer ranks: {twice[:3]}")
+        if len(part.digests) != part.count:
+            raise WeightTransferError("a manifest part without its per-tensor digests")
+        digests.update(part.digests)
+    return WeightManifest(
+        WeightFingerprint.from_digests(digests).digest,
+        tuple(c for p in parts for c in p.chunks),
+        tuple(n for p in parts for n in p.names),
+        sum(p.nbytes for p in parts),
+        digests,
+    )
 
 
 def fetch(manifest: WeightManifest, timeout_s: float = 300.0) -> Iterator[dict[str, torch.Tensor]]:
@@ -107,5 +130,6 @@ __all__ = [
     "WeightTransferError",
     "fetch",
     "free",
+    "merge",
     "publish",
 ]
