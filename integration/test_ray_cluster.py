@@ -395,25 +395,33 @@ def test_dp2_trainer_ranks_split_the_step_and_equal_dp1_bitwise(cluster: Cluster
     assert fingerprints[0] == fingerprints[1]
 
 
-@pytest.mark.matrix  # CI time (two runs, two trainer stages on 2 cores); -m matrix (README)
-def test_pp2_trainer_stages_step_and_sync_the_whole_model(cluster: ClusterUnderTest) -> None:
-    """Two trainer ranks as two pipeline stages (PP=2): MATCH, a policy step through Megatron's
-    schedule, and a sync whose parts (each stage's weights) merge into the whole model. The
-    step's weights are bitwise one PP=1 rank's, and the engine is bitwise the trainer again.
-    (Before, a Ray trainer at PP>1 could not step, and its sync sent stage 0's weights only.)"""
+@pytest.mark.matrix  # CI time (two runs, two trainer ranks on 2 cores); -m matrix (README)
+@pytest.mark.parametrize(("layout", "preset"), [("pp", "tiny-dense"), ("ep", "tiny-moe")])
+def test_a_split_trainer_steps_and_syncs_the_whole_model(
+    cluster: ClusterUnderTest, layout: str, preset: str
+) -> None:
+    """Two trainer ranks holding part of the model each, as two pipeline stages (PP=2) or two
+    expert-parallel ranks (EP=2, which are also two DP ranks): MATCH, a policy step (at PP=2
+    through Megatron's schedule; at EP=2 each rank its packs), and a sync whose parts (each
+    rank's stage, or its experts) merge into the whole model. The step's weights are bitwise
+    one rank's at PP=1, EP=1, and the engine is bitwise the trainer again. (Before, a Ray
+    trainer at PP>1 could not step, and a sync sent rank 0's stage or experts only.)"""
     import ray
 
-    node = cluster.nodes.add_node(num_cpus=2, resources={"pp_trainer_node": 1})
-    fingerprints = []
+    node = cluster.nodes.add_node(num_cpus=2, resources={"split_trainer_node": 1})
+    fingerprints, units = [], []
     try:
-        for pp in (1, 2):
-            spec = replace(_spec(cluster.tls, eager=True, run_id=f"ray-pp{pp}"),
-                           trainer_ranks=pp, pp=pp, pack_tokens=24,
-                           trainer_bundle={"CPU": 1, "pp_trainer_node": 0.5})  # fmt: skip
+        for ranks in (1, 2):
+            side = SideSpec(ModelSource(preset=preset, seed=3), enforce_eager=True)
+            spec = RaySpec(side=side, trainer_ranks=ranks, **{layout: ranks}, pack_tokens=24,
+                           trainer_bundle={"CPU": 1, "split_trainer_node": 0.5},
+                           engine_bundle=ENGINE_NODE, tls=cluster.tls,
+                           run_id=f"ray-{layout}{ranks}")  # fmt: skip
             with RayRun(spec) as r:
                 r.handshake()
                 stats = r.train_step(r.generate(PROMPTS, SAMPLING), [1.0, -1.0, 0.5, -0.5])
-                assert stats["ratio_dev_max"] == 0.0 and stats["units"] == 4.0, stats
+                assert stats["ratio_dev_max"] == 0.0, stats
+                units.append(stats["units"])
                 fingerprints.append(r.trainer_fingerprint())
                 fp = r.sync_weights()
                 assert fp == fingerprints[-1]
@@ -422,6 +430,8 @@ def test_pp2_trainer_stages_step_and_sync_the_whole_model(cluster: ClusterUnderT
     finally:
         cluster.nodes.remove_node(node)
     assert fingerprints[0] == fingerprints[1]
+    # rank 0's packs: all 4 alone; beside a second stage all 4, beside a second EP rank 2
+    assert units == [4.0, 4.0 if layout == "pp" else 2.0]
 
 
 @pytest.mark.matrix  # CI time (two more engines on 2 cores); run with -m matrix (README)
