@@ -357,3 +357,27 @@ def test_tiny_bench_lora_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert doc["settings"]["lora"] is True and e["compiled"] is False
     assert all(e["tokens_per_s"][arm] > 0 for arm in ("isoexec", "native"))
     assert cli.main(["bench", "--lora", "--family", "moe", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_qwen35_slice_size_has_the_released_widths_and_vocabulary(tmp_path: Path) -> None:
+    """`--size qwen3.5-35b-a3b-slice`: Qwen3.5-35B-A3B's text widths (256 experts of 512, top-8,
+    16 attention / 2 KV heads of 256, 16/32 GDN heads) and 248,320-token vocabulary, two layers
+    (one GDN, one attention), in Qwen3.5's architecture; the GDN family only. The checkpoint is
+    written with them (at a small width and expert count here: the real one is 5.4 GB)."""
+    run = bench.BenchRun(family="gdn", size="qwen3.5-35b-a3b-slice")
+    assert (run.shape["hidden"], run.shape["layers"], run.shape["vocab"]) == (2048, 2, 248320)
+    s = run.settings()
+    assert (s["num_experts"], s["num_experts_per_tok"], s["moe_intermediate_size"]) == (256, 8, 512)
+    assert s["vocab_size"] == 248320 and s["layer_types"] == ["linear_attention", "full_attention"]
+    small = {**run.config, "vocab_size": 1024, "num_experts": 4, "num_experts_per_tok": 2,
+             "moe_intermediate_size": 8, "shared_expert_intermediate_size": 8}  # fmt: skip
+    model = bench.make_model(tmp_path / "m", 128, 2, 1024, "gdn", "bfloat16", small, run.preset)
+    cfg = json.loads((model / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_5_moe_text" and cfg["architectures"] == [
+        "Qwen3_5MoeForCausalLM"
+    ]
+    assert (cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]) == (16, 2, 256)
+    assert (cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]) == (16, 32)
+    for family in ("dense", "moe"):
+        with pytest.raises(bench.BenchSetupError, match="--family gdn"):
+            bench.BenchRun(family=family, size="qwen3.5-35b-a3b-slice")

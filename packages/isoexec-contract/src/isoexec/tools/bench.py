@@ -8,7 +8,8 @@ alternated, on the sequences the IsoExec engine generated (prompt + completion);
 profile of the IsoExec trainer step (time inside each canonical forward op).
 `benchmarks/engine_profile.py` profiles the engine the same way.
 
-    isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium|qwen3-0.6b] [--reps N]
+    isoexec bench [--family dense|moe|gdn] [--size tiny|small|medium|qwen3-0.6b|
+                  qwen3.5-35b-a3b-slice] [--reps N]
                   [--mode default|eager|both] [--dtype float32|bfloat16] [--threads N]
                   [--no-trainer] [--lora] [--speculative K] [--out DIR]
 
@@ -22,7 +23,10 @@ Sizes: `medium` is the issue's model (hidden 768, 8 layers, vocab 32k, 32 prompt
 tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 prompts x 32) fits a 2-core machine;
 `tiny` (hidden 128, 2 layers, vocab 1k, 2 prompts x 8) checks that the command works;
 `qwen3-0.6b` has Qwen3-0.6B's widths, 28 layers and its 151,936-token vocabulary (random
-weights, 4 prompts x 16). `--threads N` runs every engine and the trainer on N threads. The GDN
+weights, 4 prompts x 16); `qwen3.5-35b-a3b-slice` (`--family gdn` only) has Qwen3.5-35B-A3B's
+widths (256 experts, top-8), its 248,320-token vocabulary and two layers, one GDN and one
+gated attention (Qwen3.5's architecture, 5.4 GB in bf16 per engine, 2 prompts x 8).
+`--threads N` runs every engine and the trainer on N threads. The GDN
 family is Qwen3-Next-like (GDN + gated attention + MoE with a shared expert) with 128-wide GDN
 heads in bf16: stock vLLM-CPU's GDN kernel runs only that (bf16, head dim 64/128).
 
@@ -88,9 +92,11 @@ def make_model(
     family: str = "dense",
     dtype: str = "float32",
     config: dict[str, Any] | None = None,
+    preset: str | None = None,
 ) -> Path:
     """A random Qwen3-style checkpoint of this shape (`tiny_models` presets, overridden);
-    `config`: fields set over the derived ones (a released model's widths, `SIZE_CONFIGS`)."""
+    `config`: fields set over the derived ones (a released model's widths, `SIZE_CONFIGS`);
+    `preset`: another architecture than the family's own (`SIZE_PRESETS`)."""
     from isoexec.tools.tiny_models import make_tiny_model
 
     heads = max(2, hidden // 128)
@@ -119,7 +125,7 @@ def make_model(
             linear_num_value_heads=heads,
         )
     overrides.update(config or {})
-    preset = {"dense": "tiny-dense", "moe": "tiny-moe", "gdn": "tiny-gdn"}.get(family)
+    preset = preset or {"dense": "tiny-dense", "moe": "tiny-moe", "gdn": "tiny-gdn"}.get(family)
     if preset is None:
         raise BenchSetupError(f"unknown family {family!r}; known: {', '.join(FAMILIES)}")
     return make_tiny_model(preset, out, dtype=dtype, overrides=overrides)
@@ -358,7 +364,9 @@ def add_parser(sub: Any) -> argparse.ArgumentParser:
         default="small",
         help="tiny: hidden 128, 2 layers, 2 prompts x 8 tokens (checks the command); small: "
         "hidden 512, 4 layers, 8 x 32; medium: hidden 768, 8 layers, 32 x 128; qwen3-0.6b: "
-        "Qwen3-0.6B's widths (28 layers, vocab 151,936; random weights), 4 x 16",
+        "Qwen3-0.6B's widths (28 layers, vocab 151,936; random weights), 4 x 16; "
+        "qwen3.5-35b-a3b-slice (--family gdn): Qwen3.5-35B-A3B's widths and vocab 248,320, "
+        "2 layers, 2 x 8",
     )
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="CPU threads of every engine (one bound per CPU) and of the trainer "
@@ -431,7 +439,7 @@ def run_bench(run: BenchRun) -> dict[str, Any]:
     trainer_doc: dict[str, Any] | None = None
     with tempfile.TemporaryDirectory(prefix="isoexec-bench-") as tmp:
         model = make_model(Path(tmp) / "model", size["hidden"], size["layers"], size["vocab"],
-                           run.family, dtype, run.config)  # fmt: skip
+                           run.family, dtype, run.config, run.preset)  # fmt: skip
         seqs: list[list[int]] = []
         lora = None
         if run.lora:

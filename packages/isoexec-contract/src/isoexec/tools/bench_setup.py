@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from isoexec.tools.tiny_models import QWEN35_35B_A3B_TEXT
+
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden": 128, "layers": 2, "vocab": 1024, "prompts": 2, "tokens": 8},
     "small": {"hidden": 512, "layers": 4, "vocab": 8192, "prompts": 8, "tokens": 32},
@@ -22,7 +24,15 @@ SIZES: dict[str, dict[str, int]] = {
     # Qwen3-0.6B's widths and vocabulary, random weights: the size users run, where the lm
     # head and the logprobs over 151,936 tokens cost the most.
     "qwen3-0.6b": {"hidden": 1024, "layers": 28, "vocab": 151936, "prompts": 4, "tokens": 16},
+    # Qwen3.5-35B-A3B's real widths (256 experts of 512, top-8, head_dim 256, 16/32 GDN heads)
+    # and its 248,320-token vocabulary, two layers (one GDN, one gated attention): 2.7B
+    # parameters, 5.4 GB in bf16, per engine.
+    "qwen3.5-35b-a3b-slice": dict(hidden=2048, layers=2, vocab=248320, prompts=2, tokens=8),
 }
+# The checkpoint architecture of a size that is not the family's own (`tiny_models` preset),
+# and the families such a size can run.
+SIZE_PRESETS: dict[str, str] = {"qwen3.5-35b-a3b-slice": "tiny-qwen35-moe-text"}
+SIZE_FAMILIES: dict[str, tuple[str, ...]] = {"qwen3.5-35b-a3b-slice": ("gdn",)}
 # Config fields a size sets over `make_model`'s own (heads from the width, MLP 3x hidden):
 # the released model's. Its MoE and GDN families keep the bench's expert and GDN structure.
 SIZE_CONFIGS: dict[str, dict[str, Any]] = {
@@ -33,6 +43,7 @@ SIZE_CONFIGS: dict[str, dict[str, Any]] = {
         "head_dim": 128,
         "tie_word_embeddings": True,
     },
+    "qwen3.5-35b-a3b-slice": {**QWEN35_35B_A3B_TEXT, "vocab_size": 248320},
 }
 FAMILIES = ("dense", "moe", "gdn")
 MODES = {"default": ("default",), "eager": ("eager",), "both": ("default", "eager")}
@@ -112,6 +123,11 @@ class BenchRun:
         object.__setattr__(self, "dtype", resolve_dtype(self.family, self.dtype))
         if self.size not in SIZES:
             raise BenchSetupError(f"unknown size {self.size!r}; known: {', '.join(SIZES)}")
+        if self.family not in SIZE_FAMILIES.get(self.size, FAMILIES):
+            runs = ", ".join(SIZE_FAMILIES[self.size])
+            raise BenchSetupError(
+                f"--size {self.size} is {SIZE_PRESETS[self.size]}'s architecture: --family {runs}"
+            )
         if self.mode not in MODES:
             raise BenchSetupError(f"unknown mode {self.mode!r}; known: {', '.join(MODES)}")
         if self.reps < 1:
@@ -141,6 +157,11 @@ class BenchRun:
     def config(self) -> dict[str, Any]:
         """Config fields of this size's model beyond `shape` (a released model's widths)."""
         return dict(SIZE_CONFIGS.get(self.size, {}))
+
+    @property
+    def preset(self) -> str | None:
+        """The `tiny_models` preset of this size's checkpoint (None: the family's own)."""
+        return SIZE_PRESETS.get(self.size)
 
     def engine_env(self) -> tuple[tuple[str, str], ...]:
         """The environment that gives an engine `threads` threads: vLLM-CPU binds one OpenMP
@@ -185,6 +206,8 @@ __all__ = [
     "PROMPT_LEN",
     "SIZES",
     "SIZE_CONFIGS",
+    "SIZE_FAMILIES",
+    "SIZE_PRESETS",
     "BenchRun",
     "BenchSetupError",
     "available_cpus",
