@@ -115,7 +115,12 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
             gemm._block_gemm,
         ),
     ),
-    "rms_norm": ("isoexec.rms_norm.fp32", 1, {"accum": "fp32"}, (norm._normalize, norm.rms_norm)),
+    "rms_norm": (
+        "isoexec.rms_norm.fp32",
+        2,
+        {"accum": "fp32", "kernel": "cxx-vector-ext-nofma", "lanes": 16},
+        (norm._normalize, norm.rms_norm),
+    ),
     "gated_rms_norm": (
         "isoexec.gated_rms_norm.fp32",
         1,

@@ -31,6 +31,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "attention": ("simd.h", "attention.cpp"),
     "gdn": ("simd.h", "gdn.cpp"),
     "moe": ("simd.h", "moe.cpp"),
+    "norm": ("simd.h", "norm.cpp"),
 }
 CXX_FLAGS = (
     "-O3",
