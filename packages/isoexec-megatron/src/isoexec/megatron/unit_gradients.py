@@ -50,11 +50,11 @@ def unit_gradients(
     Every rank passes the whole batch (`units`); each runs its DP block. At PP>1 every stage
     returns the last stage's losses and reports."""
     from isoexec.megatron.expert_parallel_step import expert_parallel_grads
-    from isoexec.megatron.scoring import (
-        _model_is_moe,
-        _pack_logprobs,
-        _pipelined,
+    from isoexec.megatron.packed_forward import (
+        model_is_moe,
+        pack_logprobs,
         packed_logprobs,
+        pipelined,
     )
     from megatron.core import parallel_state as ps
 
@@ -66,7 +66,7 @@ def unit_gradients(
     def loss_of(unit: int) -> tuple[torch.Tensor, tuple[float, ...]]:
         return unit_loss(unit, packed_logprobs(model, units[unit], temperature))
 
-    if parallel and ps.get_expert_model_parallel_world_size() > 1 and _model_is_moe(model):
+    if parallel and ps.get_expert_model_parallel_world_size() > 1 and model_is_moe(model):
         grads, done = expert_parallel_grads(model, params, len(units), loss_of)
         return UnitGradients(grads, sum(loss for loss, _ in done.values()),
                              {u: report for u, (_, report) in done.items()})  # fmt: skip
@@ -77,11 +77,11 @@ def unit_gradients(
         if unit >= len(units):  # padding to a power of two: an empty unit
             tree.push(None)
             continue
-        if _pipelined(model):
+        if pipelined(model):
             pack = pack_sequences(model, units[unit], None)
 
             def last(logits: torch.Tensor, u: int = unit, p: Pack = pack) -> tuple[Any, Any]:
-                loss_t, report = unit_loss(u, _pack_logprobs(model, p, logits, temperature))
+                loss_t, report = unit_loss(u, pack_logprobs(model, p, logits, temperature))
                 return loss_t, (float(loss_t.detach()), report)
 
             grads, (loss, report) = _pipeline_unit_grads(model, params, pack, last)

@@ -143,15 +143,20 @@ def _rope(
     backend: str, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
 ) -> Tensor:
     """RoPE on x [T, heads * head_size] (or any shape with T rows) at `positions` [T]."""
-    # on CPU by table lookup (the same bits; every backend's table is the torch canonical
-    # `rope_cos_sin`); on CUDA, and under the capture guard, computed in place (the lookup's
-    # size check reads the positions on the host, which a CUDA graph cannot hold)
+    # on CPU by table lookup inside the kernel (`ops.apply_rope_at`: the same bits; the table
+    # is the torch canonical `rope_cos_sin`); on CUDA, and under the capture guard, computed in
+    # place (the lookup's size check reads the positions on the host, which a CUDA graph
+    # cannot hold)
     pos = positions.reshape(-1)
+    heads = x.reshape(pos.shape[0], -1, head_size)
     if positions.device.type != "cpu" or capture_guard_enabled():
         cos, sin = _call(backend, "rope_cos_sin", pos, rotary_dim, base)
-    else:
+        out = _call(backend, "apply_rope", heads, cos, sin, rotary_dim)
+    elif backend == ops.BACKEND:
+        out = _call(backend, "apply_rope_at", heads, pos, rotary_dim, base)
+    else:  # Triton on CPU tensors (its interpreter): the lookup, then its own apply
         cos, sin = rope_cos_sin_table(pos, rotary_dim, base)
-    out = _call(backend, "apply_rope", x.reshape(cos.shape[0], -1, head_size), cos, sin, rotary_dim)
+        out = _call(backend, "apply_rope", heads, cos, sin, rotary_dim)
     return _own(out.reshape(x.shape), x)
 
 

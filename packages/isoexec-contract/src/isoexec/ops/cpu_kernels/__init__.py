@@ -32,6 +32,7 @@ SOURCES: dict[str, tuple[str, ...]] = {
     "gdn": ("simd.h", "gdn.cpp"),
     "moe": ("simd.h", "moe.cpp"),
     "norm": ("simd.h", "norm.cpp"),
+    "rope": ("simd.h", "rope.cpp"),
 }
 CXX_FLAGS = (
     "-O3",

@@ -21,19 +21,6 @@ namespace {
 
 constexpr int L = 16;  // the lane count of the sum of squares: part of the bits
 
-// fp32 -> the tensor's dtype, round to nearest even, as torch converts (NaN -> 0x7FC0).
-static inline void put(float* p, float v) { *p = v; }
-static inline void put(uint16_t* p, float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  if (std::isnan(v)) {
-    *p = 0x7FC0;
-    return;
-  }
-  *p = uint16_t((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
-}
-static inline void put(_Float16* p, float v) { *p = _Float16(v); }
-
 // Row i of an input lies at (i / inner) * outer + (i % inner) * stride elements (a [T, H, D]
 // view of a wider tensor, e.g. vLLM's q heads, needs both); its elements are contiguous.
 struct Rows {

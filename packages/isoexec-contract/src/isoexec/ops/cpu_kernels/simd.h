@@ -50,6 +50,20 @@ static inline float to_f32(uint16_t bits_bf16) {
 }
 static inline float to_f32(_Float16 x) { return float(x); }
 
+// fp32 -> a tensor's dtype, round to nearest even, as torch's scalar conversion (bf16: NaN ->
+// 0x7FC0). `put(p, v)` stores v at p in p's type.
+static inline void put(float* p, float v) { *p = v; }
+static inline void put(uint16_t* p, float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  if (v != v) {
+    *p = 0x7FC0;
+    return;
+  }
+  *p = uint16_t((u + (((u >> 16) & 1) + 0x7FFF)) >> 16);
+}
+static inline void put(_Float16* p, float v) { *p = _Float16(v); }
+
 template <int L> static inline vf<L> load(const float* p) {
   vf<L> v;
   std::memcpy(&v, p, sizeof(v));
