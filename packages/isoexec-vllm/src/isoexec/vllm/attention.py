@@ -9,11 +9,14 @@ vLLM would pick (its `vec`/`amx` layouts differ), the dtype or the vLLM version.
 
 from __future__ import annotations
 
+import ctypes
+from functools import cache
 from typing import Any
 
 import torch
 
 from isoexec.contract.impl import ImplInfo
+from isoexec.ops import cpu_kernels
 from isoexec.ops.binding import bind
 from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
@@ -25,10 +28,29 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 def write_cache(
     kv_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store key/value `[T, kv_heads, head_dim]` at `slot = block * block_size + offset`."""
+    """Store key/value `[T, kv_heads, head_dim]` at `slot = block * block_size + offset`
+    (a slot of -1: a padded token, not stored). A byte copy (`cpu_kernels/kvcache.cpp`) where
+    the dtypes agree and every row is contiguous; else the torch write, which converts."""
     nb, h, bs, two_d = kv_cache.shape
-    kv = kv_cache.view(nb, h, bs, 2, two_d // 2)
+    d = two_d // 2
     t = slot_mapping.shape[0]
+    k, v = key[:t], value[:t]
+    if (
+        key.dtype == value.dtype == kv_cache.dtype
+        and k.dim() == 3 and k.stride(-1) == v.stride(-1) == kv_cache.stride(-1) == 1
+        and tuple(k.shape[1:]) == tuple(v.shape[1:]) == (h, d)
+    ):  # fmt: skip
+        slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
+        slots = slots.contiguous()
+        rc = _kv_write()(
+            t, h, d, key.element_size(), k.data_ptr(), k.stride(0), k.stride(1),
+            v.data_ptr(), v.stride(0), v.stride(1), slots.data_ptr(), kv_cache.data_ptr(),
+            nb, bs, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        )  # fmt: skip
+        if rc != 0:
+            raise RuntimeError(f"KV cache write refused (code {rc}): a slot past the cache?")
+        return
+    kv = kv_cache.view(nb, h, bs, 2, d)
     slots = slot_mapping.long()
     valid = slots >= 0  # padded tokens carry slot -1
     if not bool(valid.all()):
@@ -36,6 +58,16 @@ def write_cache(
     blk, off = slots // bs, slots % bs
     kv[blk, :, off, 0] = key[: slots.shape[0]].to(kv.dtype)
     kv[blk, :, off, 1] = value[: slots.shape[0]].to(kv.dtype)
+
+
+@cache
+def _kv_write() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+    fn = cpu_kernels.library("kvcache").isx_kv_write
+    fn.restype = ctypes.c_int
+    fn.argtypes = [cpu_kernels.I64] * 4 + [cpu_kernels.PTR, cpu_kernels.I64, cpu_kernels.I64,
+                   cpu_kernels.PTR, cpu_kernels.I64, cpu_kernels.I64, cpu_kernels.PTR,
+                   cpu_kernels.PTR] + [cpu_kernels.I64] * 5  # fmt: skip
+    return fn
 
 
 class IsoCPUAttentionImpl(CPUAttentionBackendImpl):

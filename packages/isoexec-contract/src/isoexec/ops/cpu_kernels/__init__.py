@@ -30,6 +30,7 @@ _HERE = Path(__file__).resolve().parent
 SOURCES: dict[str, tuple[str, ...]] = {
     "attention": ("simd.h", "attention.cpp"),
     "gdn": ("simd.h", "gdn.cpp"),
+    "kvcache": ("kvcache.cpp",),
     "moe": ("simd.h", "moe.cpp"),
     "norm": ("simd.h", "norm.cpp"),
     "rope": ("simd.h", "rope.cpp"),
