@@ -54,3 +54,12 @@ def test_other_dtypes_take_the_converting_torch_write():
     write_cache(cache, key, key, torch.tensor([0, 1, 2, 3]))
     _torch_write(want, key, key, torch.tensor([0, 1, 2, 3]))
     assert torch.equal(cache, want) and cache.any()
+
+
+def test_fewer_key_rows_than_slots_never_reach_the_copy():
+    """The copy reads one key and value row per slot: with fewer rows it would read past
+    them. Such a call takes the torch write, which refuses it (a shape mismatch)."""
+    cache = torch.zeros(BLOCKS, HEADS, BLOCK, 2 * D)
+    key = value = torch.ones(2, HEADS, D)
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        write_cache(cache, key, value, torch.tensor([1, 2, 3]))

@@ -37,7 +37,8 @@ def write_cache(
     k, v = key[:t], value[:t]
     if (
         key.dtype == value.dtype == kv_cache.dtype
-        and k.dim() == 3 and k.stride(-1) == v.stride(-1) == kv_cache.stride(-1) == 1
+        and k.dim() == 3 and k.shape[0] == v.shape[0] == t  # the copy reads t rows of each
+        and k.stride(-1) == v.stride(-1) == kv_cache.stride(-1) == 1
         and tuple(k.shape[1:]) == tuple(v.shape[1:]) == (h, d)
     ):  # fmt: skip
         slots = slot_mapping if slot_mapping.dtype == torch.int64 else slot_mapping.long()
