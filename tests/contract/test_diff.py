@@ -92,12 +92,12 @@ def test_layer_kinds_difference_reports_first_index() -> None:
     )
 
 
-def test_gemm_library_difference_names_the_sites_and_the_parameter(monkeypatch) -> None:
-    """Two sides whose linears run different GEMM libraries (here: one torch without our
-    oneDNN path) get different contracts, and the diff says where and which library."""
+def test_gemm_library_difference_names_the_sites_and_the_parameter() -> None:
+    """Two sides whose linears run different GEMM libraries (here: IsoExec's CPU kernel and
+    cuBLAS) get different contracts, and the diff says where and which library."""
     import torch
 
-    from isoexec.ops import gemm, get_impl
+    from isoexec.ops import get_impl
 
     def sides_linear(impl: ImplInfo) -> dict:
         sites = site_impls(1)
@@ -107,8 +107,7 @@ def test_gemm_library_difference_names_the_sites_and_the_parameter(monkeypatch) 
         return sites
 
     ours = get_impl("linear", device="cpu", dtype=torch.float32)
-    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
-    theirs = get_impl("linear", device="cpu", dtype=torch.float32)
+    theirs = get_impl("linear", device="cuda", dtype=torch.float32)
     a, b = make_contract(1, sites=sides_linear(ours)), make_contract(1, sites=sides_linear(theirs))
     assert a.hash != b.hash
     left, right = ours.param_dict()["gemm"], theirs.param_dict()["gemm"]

@@ -14,7 +14,6 @@ from isoexec.ops import (
     get_impl,
     linear,
     linear_tp_invariant,
-    onednn_rows,
     tp_leaf_partials,
     tp_linear_from_shards,
     tp_tree_sum,
@@ -51,14 +50,25 @@ def test_linear_other_block_rows_invariant(block_rows):
     )
 
 
-def test_linear_block_rows_is_a_real_parameter():
-    """Another tile size is another contract: the ImplInfo changes (and bits may change)."""
+def test_linear_block_rows_is_a_real_parameter(monkeypatch):
+    """Another tile size is another contract (the ImplInfo changes): on CUDA the blocks are
+    fixed-shape `torch.mm` calls whose bits depend on it. The CPU kernel has no row blocks,
+    so there its bits do not move; the block path (fp64 here, CUDA in use) does depend on it."""
     assert get_impl("linear", block_rows=64) != get_impl("linear")
     assert get_impl("linear", block_rows=64).param_dict()["block_rows"] == "64"
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(40, K, generator=g), torch.randn(N, K, generator=g)
-    ys = {r: linear(x, w, block_rows=r) for r in (1, 32)}
-    assert not torch.equal(ys[1], ys[32])  # M=1-shaped GEMM vs 32-row GEMM
+    assert torch.equal(linear(x, w, block_rows=1), linear(x, w, block_rows=32))
+    calls: list[tuple[int, ...]] = []
+    real_mm = torch.mm
+
+    def spy(a, b, *, out):
+        calls.append(tuple(a.shape))
+        return real_mm(a, b, out=out)
+
+    monkeypatch.setattr(torch, "mm", spy)
+    linear(x.double(), w.double(), block_rows=32)
+    assert calls == [(32, K), (32, K)]  # 40 rows: two 32-row blocks, the last zero-padded
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -164,86 +174,6 @@ def test_linear_packed_weight_cache_follows_in_place_updates():
 
 
 # ---- which GEMM library runs (what the contract records) --------------------------------------
-def _branch(monkeypatch, dtype: torch.dtype) -> str:
-    """The branch `_block_gemm` takes for `dtype`: "prepacked" (oneDNN `_linear_pointwise` on
-    a packed weight) or "mm" (`torch.mm`), seen by spying on the packing helper."""
-    calls: list[int] = []
-    real = gemm._packed_weight
-    monkeypatch.setattr(gemm, "_packed_weight", lambda w, r: calls.append(r) or real(w, r))
-    g = torch.Generator().manual_seed(4)
-    x, w = torch.randn(40, 64, generator=g).to(dtype), torch.randn(16, 64, generator=g).to(dtype)
-    gemm._block_gemm(x, w, 32)
-    return "prepacked" if calls else "mm"
-
-
-@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
-def test_gemm_library_names_the_branch_block_gemm_takes(monkeypatch):
-    assert _branch(monkeypatch, torch.float32) == "prepacked"
-    assert gemm_library("cpu", torch.float32) == "onednn-prepacked"
-    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()  # oneDNN has bf16 on this CPU
-    assert _branch(monkeypatch, torch.bfloat16) == ("prepacked" if bf16 else "mm")
-    assert gemm_library("cpu", torch.bfloat16) == ("onednn-prepacked" if bf16 else "aten-cpublas")
-    assert _branch(monkeypatch, torch.float16) == "mm"  # torch.mm: oneDNN where it has fp16
-    fp16 = torch.ops.mkldnn._is_mkldnn_fp16_supported()
-    assert gemm_library("cpu", torch.float16) == ("onednn" if fp16 else "aten-cpublas")
-    blas = "mkl" if torch.backends.mkl.is_available() else gemm._cpu_blas()
-    # Without our oneDNN path: fp32 goes to torch.mm, i.e. the build's BLAS; bf16 to torch.mm
-    # too, which hands it to oneDNN's matmul where oneDNN has bf16.
-    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
-    assert _branch(monkeypatch, torch.float32) == "mm"
-    assert gemm_library("cpu", torch.float32) == blas
-    assert _branch(monkeypatch, torch.bfloat16) == "mm"
-    assert gemm_library("cpu", torch.bfloat16) == ("onednn" if bf16 else "aten-cpublas")
-    # Without oneDNN at all, bf16 torch.mm cannot use it either.
-    monkeypatch.undo()
-    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    assert _branch(monkeypatch, torch.float32) == "mm"
-    assert gemm_library("cpu", torch.float32) == blas
-    assert gemm_library("cpu", torch.bfloat16) == "aten-cpublas"
-
-
-_VERBOSE_PROBE = """
-import sys, torch
-from isoexec.ops import gemm
-x, w = torch.randn(64, 256), torch.randn(128, 256)
-for name, dtype, ours in (("fp32", torch.float32, True), ("bf16", torch.bfloat16, True),
-                          ("fp32-no-onednn", torch.float32, False)):
-    gemm._onednn_available = (lambda: True) if ours else (lambda: False)
-    print("@@", name, gemm.gemm_library("cpu", dtype), flush=True)
-    gemm._block_gemm(x.to(dtype), w.to(dtype), 32)
-    sys.stdout.flush()
-"""
-
-
-@pytest.mark.skipif(
-    not (gemm._onednn_available() and torch.backends.mkl.is_available()),
-    reason="needs a torch build with oneDNN and MKL (their verbose logs name the library)",
-)
-def test_gemm_library_is_the_library_that_runs():
-    """The libraries' own logs (ONEDNN_VERBOSE, MKL_VERBOSE) show the recorded one running."""
-    import os
-    import subprocess
-    import sys
-
-    env = {**os.environ, "ONEDNN_VERBOSE": "1", "MKL_VERBOSE": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", _VERBOSE_PROBE], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    runs: dict[str, tuple[str, str]] = {}
-    for part in out.split("@@ ")[1:]:
-        head, _, log = part.partition("\n")
-        name, lib = head.split()
-        ran = [ln for ln in log.splitlines() if ",exec," in ln or ln.startswith("MKL_VERBOSE ")]
-        runs[name] = (lib, "\n".join(ran))
-    lib, log = runs["fp32"]
-    assert lib == "onednn-prepacked" and ",inner_product," in log and "SGEMM" not in log
-    lib, log = runs["fp32-no-onednn"]
-    assert lib == "mkl" and "SGEMM" in log and "onednn_verbose" not in log
-    lib, log = runs["bf16"]
-    if lib == "onednn-prepacked":
-        assert ",inner_product," in log and "MKL_VERBOSE" not in log
-
-
 def test_gemm_library_on_cuda_records_the_flags_that_change_bits():
     """cuBLAS's reduced-precision switches are part of the record (readable on a CPU build)."""
     m = torch.backends.cuda.matmul
@@ -285,98 +215,3 @@ def test_gemm_library_on_cuda_records_the_flags_that_change_bits():
 def test_gemm_library_refuses_what_it_cannot_identify(device, dtype, match):
     with pytest.raises(ValueError, match=match):
         gemm_library(device, dtype)
-
-
-def _padded_reference(x: torch.Tensor, w: torch.Tensor, r: int) -> torch.Tensor:
-    """The definition: every block of r rows, the last zero-padded, as one r-row GEMM."""
-    m = x.shape[0]
-    xp = F.pad(x, (0, 0, 0, -(-m // r) * r - m))
-    wp = torch.ops.mkldnn._reorder_linear_weight(w, r)
-    return torch.cat([onednn_rows.onednn_rows(b.contiguous(), wp) for b in xp.split(r)])[:m]
-
-
-@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("k", "n"), [(512, 1536), (1536, 512), (1024, 300)])
-def test_short_last_block_has_the_padded_blocks_bits(dtype, k, n):
-    """A last block of m < 32 rows computes only its m rows where oneDNN was checked to give
-    them the padded block's bits (#37: a decode step of 8 sequences paid for 32 rows): every m
-    from 1 to 33, at 1 and 2 threads, gives the bits of the zero-padded 32-row blocks."""
-    if not gemm._prepacked(dtype):
-        pytest.skip(f"oneDNN has no prepacked {dtype} GEMM on this CPU")
-    g = torch.Generator().manual_seed(k + n)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    x = torch.randn(33, k, generator=g).to(dtype)
-    for threads in (1, 2):
-        with num_threads(threads):
-            for m in range(1, 34):
-                want = _padded_reference(x[:m], w, 32)
-                assert torch.equal(linear(x[:m], w), want), (threads, m)
-
-
-@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
-def test_short_block_pads_where_the_check_sees_other_bits(monkeypatch):
-    """Negative control: a GEMM whose rows change with the row count (as oneDNN's do at m = 1
-    on some shapes) fails the check, and the block is padded: the result is the padded one."""
-    real = onednn_rows.onednn_rows
-
-    def row_count_dependent(x, packed):
-        y = real(x, packed)
-        return y if x.shape[0] == 32 else y * (1 + 2**-20)
-
-    monkeypatch.setattr(onednn_rows, "onednn_rows", row_count_dependent)
-    monkeypatch.setattr(gemm, "onednn_rows", row_count_dependent)
-    monkeypatch.setattr(onednn_rows, "SHORT_BLOCK_ROWS", {})
-    g = torch.Generator().manual_seed(5)
-    w, x = torch.randn(N, K, generator=g), torch.randn(8, K, generator=g)
-    got = linear(x, w)
-    assert set(onednn_rows.SHORT_BLOCK_ROWS.values()) == {32}  # checked, refused: padded
-    assert torch.equal(got, real(F.pad(x, (0, 0, 0, 24)), gemm._packed_weight(w, 32))[:8])
-    # without the fake: the same bits, whichever way this CPU's check goes
-    monkeypatch.setattr(onednn_rows, "onednn_rows", real)
-    monkeypatch.setattr(gemm, "onednn_rows", real)
-    monkeypatch.setattr(onednn_rows, "SHORT_BLOCK_ROWS", {})
-    assert torch.equal(linear(x, w), got)
-
-
-@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("k", "n"), [(512, 1536), (1536, 512), (1024, 300)])
-def test_whole_blocks_in_one_call_have_each_blocks_bits(dtype, k, n):
-    """Whole blocks run as one oneDNN call where the check saw that give each block's bits
-    (#37: a prefill or a micro-batch streamed the weight once per 32 rows): 2 to 12 blocks,
-    with and without a short tail, at 1 and 2 threads, give the bits of the blocks computed
-    one by one as the definition says."""
-    if not gemm._prepacked(dtype):
-        pytest.skip(f"oneDNN has no prepacked {dtype} GEMM on this CPU")
-    g = torch.Generator().manual_seed(k + n + 1)
-    w = torch.randn(n, k, generator=g).to(dtype)
-    x = torch.randn(12 * 32 + 5, k, generator=g).to(dtype)
-    for threads in (1, 2):
-        with num_threads(threads):
-            for m in (64, 69, 96, 256, 261, 384):
-                assert torch.equal(linear(x[:m], w), _padded_reference(x[:m], w, 32)), (threads, m)
-    seen = {key[4] for key in onednn_rows.WHOLE_BLOCKS_AT_ONCE if key[:3] == (n, k, dtype)}
-    assert {2, 3, 8, 12} <= seen  # the check ran for each block count
-
-
-@pytest.mark.skipif(not gemm._onednn_available(), reason="torch built without oneDNN")
-def test_whole_blocks_run_one_by_one_where_the_check_sees_other_bits(monkeypatch):
-    """Negative control: a GEMM whose rows change when a call holds more than one block fails
-    the check, and the blocks run one by one: the result is the definition's."""
-    real = onednn_rows.onednn_rows
-
-    def block_count_dependent(x, packed):
-        y = real(x, packed)
-        return y if x.shape[0] <= 32 else y * (1 + 2**-20)
-
-    monkeypatch.setattr(onednn_rows, "onednn_rows", block_count_dependent)
-    monkeypatch.setattr(gemm, "onednn_rows", block_count_dependent)
-    monkeypatch.setattr(onednn_rows, "WHOLE_BLOCKS_AT_ONCE", {})
-    g = torch.Generator().manual_seed(6)
-    w, x = torch.randn(N, K, generator=g), torch.randn(128, K, generator=g)
-    got = linear(x, w)
-    assert list(onednn_rows.WHOLE_BLOCKS_AT_ONCE.values()) == [False]  # checked, refused
-    assert torch.equal(got, _padded_reference(x, w, 32))
-    # the fake is caught, not a coincidence: one call over the 4 blocks has other bits
-    assert not torch.equal(block_count_dependent(x, gemm._packed_weight(w, 32)), got)

@@ -318,7 +318,7 @@ def test_registry_v5_records_which_expert_gemm_runs(monkeypatch):
     from isoexec.ops.gemm import gemm_library
 
     info = REGISTRY["moe_combine"]
-    assert info.version == 5 and "moe_combine" not in GEMM_DTYPES
+    assert info.version == 6 and "moe_combine" not in GEMM_DTYPES
     assert depends_on_placement("moe_combine") and not depends_on_placement("rms_norm")
     params = info.param_dict()
     assert params["kernel"] == moe.GROUPED and params["lanes"] == "16"
@@ -400,7 +400,7 @@ def test_saved_bits_v3(dtype):
 
     from isoexec.ops import REGISTRY, moe
 
-    assert REGISTRY["moe_combine"].version == 5  # v4 and v5 kept the grouped kernel's bits
+    assert REGISTRY["moe_combine"].version == 6  # v4 to v6 kept the grouped kernel's bits
     g = torch.Generator().manual_seed(10)
     x = torch.randn(45, 100, generator=g).to(dtype)
     w = (torch.randn(3, 37, 100, generator=g) * 0.1).to(dtype)

@@ -86,7 +86,7 @@ def test_gemm_ops_record_the_library_for_the_sites_device_and_dtype(monkeypatch)
         get_impl("linear", gemm="onednn-prepacked")
     with pytest.raises(ValueError, match="unknown"):
         get_impl("linear", device="mps")
-    # Negative control: a side whose torch has no oneDNN path records another linear.
-    monkeypatch.setattr(gemm, "_onednn_available", lambda: False)
+    # Negative control: a side whose CPU GEMM were another kernel records another linear.
+    monkeypatch.setattr(gemm, "CPU_GEMM", "another-kernel")
     assert get_impl("linear") != REGISTRY["linear"]
     assert get_impl("linear").param_dict()["gemm"] == gemm_library("cpu", torch.float32)

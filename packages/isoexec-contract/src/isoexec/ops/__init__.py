@@ -74,7 +74,7 @@ BACKEND = "torch"
 _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object], ...]]] = {
     "linear": (
         "isoexec.linear.rowblock",
-        1,
+        2,
         {
             "block_rows": gemm.DEFAULT_BLOCK_ROWS,
             "accum": "fp32",
@@ -84,7 +84,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "linear_tp": (
         "isoexec.linear.tp_leaves",
-        1,
+        2,
         {"leaves": gemm.DEFAULT_TP_LEAVES, "block_rows": gemm.DEFAULT_BLOCK_ROWS},
         (
             gemm.tp_linear_from_shards,
@@ -97,7 +97,7 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "lora": (
         "isoexec.lora.padded_rowblock",
-        1,
+        2,
         {
             "rank": 16,
             "block_rows": gemm.DEFAULT_BLOCK_ROWS,
@@ -191,13 +191,13 @@ _SPECS: dict[str, tuple[str, int, dict[str, object], tuple[Callable[..., object]
     ),
     "moe_router": (
         "isoexec.moe_router.softmax_topk",
-        1,
+        2,
         {"softmax": "fp32", "ties": "lower-index"},
         (moe.moe_router,),
     ),
     "moe_combine": (
         "isoexec.moe_combine.ascending",
-        5,
+        6,
         {
             "order": "ascending-expert",
             "accum": "fp32",

@@ -1,16 +1,15 @@
-"""Canonical linear: fixed row blocks, one fixed-shape GEMM per block.
+"""Canonical linear: every output row computed by a fixed order that ignores the batch.
 
-Why: a GEMM's row result depends on M (the BLAS picks kernels by shape), so `F.linear`
-gives a token different bits alone and in a batch. A fixed-shape `[R, K] x [K, N]` GEMM is
-repeatable whatever the other rows hold and wherever the row sits in the block, so rows are
-cut into blocks of R (the last one zero-padded) and each block runs the same GEMM.
+Why: a GEMM's row result depends on M (a BLAS picks kernels by shape), so `F.linear` gives a
+token different bits alone and in a batch.
 
-On CPU the fp32 GEMM goes through oneDNN (prepacked weight), not MKL: MKL's sgemm gives
-different bits with 1 and 2 threads for R >= 16; oneDNN's does not (measured). bf16 takes the
-same prepacked oneDNN primitive where oneDNN has bf16 on this CPU (AMX or AVX-512 BF16): the
-bits of `torch.mm` (oneDNN's matmul), measured equal over K 7..2048 and N 1..2304 at 1 and 2
-threads, at ~1.5x its speed (the weight is not reordered on every call); elsewhere bf16 and
-fp16 use `torch.mm`. Accumulation is fp32 and the result is rounded once.
+On CPU (fp32, bf16, fp16) the GEMM is IsoExec's own kernel (`cpu_gemm`, `cpu_kernels/gemm.cpp`):
+each output is one fp32 fused multiply-add chain over k ascending, rounded once to the
+input dtype, so no row depends on another, on the thread count, or on which BLAS or oneDNN
+torch was built with. (Until v2 the CPU ran fixed 32-row blocks through oneDNN's prepacked
+primitive; torch's entry point to it cost about twice vLLM's own at a decode step, #37.)
+Elsewhere (CUDA, fp64) rows are cut into fixed blocks of R (the last one zero-padded) and
+each block runs the same fixed-shape `torch.mm`: repeatable whatever the other rows hold.
 
 The TP-invariant variant cuts K into G fixed leaves (each leaf an fp32 GEMM of the same
 shape) and sums them with a fixed binary tree, so TP=1, 2, 4 ranks holding G/TP leaves each
@@ -19,15 +18,14 @@ produce the same bits after an all-gather of leaves (never a NCCL/gloo all-reduc
 
 from __future__ import annotations
 
-import re
 import weakref
 from collections.abc import Callable
 from functools import cache
 
 import torch
 
+from . import cpu_gemm
 from ._autograd import grad_wanted
-from .onednn_rows import onednn_rows, short_block_rows, whole_blocks_at_once
 
 DEFAULT_BLOCK_ROWS = 32
 DEFAULT_TP_LEAVES = 8
@@ -39,8 +37,8 @@ _PACK_CACHE_ENABLED = False
 
 
 def enable_packed_weight_cache(enabled: bool = True) -> None:
-    """Let the CPU GEMMs reuse prepacked weights across calls (decode speed): the oneDNN
-    blocks' and the MoE experts' (`cached_pack`).
+    """Let the CPU GEMMs reuse packed weights across calls (decode speed): the linear's
+    panels and the MoE experts' (`cached_pack`).
 
     Only a process that controls every weight update may turn this on: a write through
     `param.data` (vLLM's weight loaders, some optimizers) does not bump `_version`, so the
@@ -58,68 +56,26 @@ def clear_packed_weight_cache() -> None:
     _PACK_CACHE.clear()
 
 
-def _onednn_available() -> bool:
-    return bool(torch.backends.mkldnn.is_available()) and hasattr(
-        torch.ops.mkldnn, "_linear_pointwise"
-    )
-
-
-def _prepacked(dtype: torch.dtype) -> bool:
-    """Whether CPU GEMMs in `dtype` run oneDNN's prepacked primitive (`_linear_pointwise`):
-    fp32 wherever torch has it, bf16 where oneDNN also has bf16 on this CPU; fp16 never."""
-    if dtype == torch.float32:
-        return _onednn_available()
-    if dtype == torch.bfloat16:
-        return _onednn_available() and _onednn_has_bf16()
-    return False
-
-
-@cache
-def _onednn_has_bf16() -> bool:
-    """oneDNN has bf16 kernels on this CPU (a property of the hardware: asked once)."""
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-
-
-# oneDNN's fp32 math modes that are exact fp32 ("none": inherit, which defaults to ieee).
-_EXACT_FP32 = frozenset({"none", "ieee", "highest"})
+# What a CPU site records as its GEMM library: the kernel, whose bits no build setting changes.
+CPU_GEMM = "isoexec-cxx-fma-kseq"
 
 
 def gemm_library(device: torch.device | str, dtype: torch.dtype) -> str:
-    """The library `_block_gemm` runs for (device, dtype) now, with the settings that change
-    its bits: what a GEMM site records, so two sides MATCH only if the same library runs.
+    """The library `_block_gemm` runs for (device, dtype), with the settings that change its
+    bits: what a GEMM site records, so two sides MATCH only if the same GEMM runs.
 
-    CPU fp32: "onednn-prepacked" (`_linear_pointwise`), else `torch.mm` on the build's BLAS
-    ("mkl", "openblas", "blas-<name>"). CPU bf16: "onednn-prepacked" where oneDNN has bf16
-    on this CPU. CPU bf16 elsewhere and fp16: `torch.mm`, oneDNN where it supports the dtype
-    ("onednn"), else ATen's own CPU GEMM ("aten-cpublas"). A oneDNN fp32 math mode
-    other than IEEE (`torch.backends.mkldnn.matmul.fp32_precision`) is appended. CUDA: the
-    cuBLAS flavour `torch.mm` prefers plus the flag that lets it reduce precision for this
-    dtype (TF32 for fp32, reduced-precision reductions for bf16/fp16). Any other device or
-    dtype is refused (ValueError): a guess would be recorded as fact.
+    CPU: `CPU_GEMM`, IsoExec's own kernel, for fp32, bf16 and fp16 alike (its bits depend on
+    no BLAS, oneDNN math mode or thread count). CUDA: the cuBLAS flavour `torch.mm` prefers
+    plus the flag that lets it reduce precision for this dtype (TF32 for fp32,
+    reduced-precision reductions for bf16/fp16). Any other device or dtype is refused
+    (ValueError): a guess would be recorded as fact.
     """
     kind = _device_kind(device)
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"gemm_library: no canonical GEMM in {dtype} (float32, bf16, fp16)")
     if kind == "cuda":
         return _cuda_gemm(dtype)
-    onednn = bool(torch.backends.mkldnn.is_available())
-    if dtype != torch.float32:  # oneDNN's fp32 math mode does not apply to bf16/fp16 inputs
-        if _prepacked(dtype):
-            return "onednn-prepacked"
-        supported = (
-            torch.ops.mkldnn._is_mkldnn_bf16_supported
-            if dtype == torch.bfloat16
-            else torch.ops.mkldnn._is_mkldnn_fp16_supported
-        )
-        return "onednn" if onednn and supported() else "aten-cpublas"
-    precision = _onednn_fp32_precision()
-    if _prepacked(dtype):
-        lib = "onednn-prepacked"
-    elif onednn and precision not in _EXACT_FP32:
-        lib = "onednn"  # `torch.mm` hands fp32 to oneDNN in a reduced math mode
-    else:
-        return _cpu_blas()
-    return lib if precision in _EXACT_FP32 else f"{lib};fp32_precision={precision}"
+    return CPU_GEMM
 
 
 def _device_kind(device: torch.device | str) -> str:
@@ -134,23 +90,6 @@ def _device_kind(device: torch.device | str) -> str:
             "(cpu or cuda only)"
         )
     return kind
-
-
-def _cpu_blas() -> str:
-    """The BLAS this torch build hands CPU `torch.mm` to when oneDNN does not take it."""
-    if torch.backends.mkl.is_available():
-        return "mkl"
-    info = re.search(r"BLAS_INFO=([\w-]+)", torch.__config__.show())
-    name = info.group(1).lower() if info else "unknown"
-    return "openblas" if name.startswith("open") else f"blas-{name}"
-
-
-def _onednn_fp32_precision() -> str:
-    """oneDNN's fp32 math mode for matmul ("bf16"/"tf32" let it round inputs down)."""
-    matmul = getattr(torch.backends.mkldnn, "matmul", None)
-    if matmul is not None and hasattr(matmul, "fp32_precision"):  # torch >= 2.9
-        return str(matmul.fp32_precision)
-    return str(torch.get_float32_matmul_precision())
 
 
 def _cuda_gemm(dtype: torch.dtype) -> str:
@@ -215,49 +154,23 @@ def cached_pack(
     return packed
 
 
-def _packed_weight(weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """oneDNN-prepacked weight (fp32 or bf16) for `block_rows`-row blocks (`cached_pack`)."""
-    return cached_pack(
-        weight,
-        ("onednn", block_rows),
-        lambda w: torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), block_rows),
-    )
+def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the CPU kernel's panels (`cpu_gemm.pack_panels`, `cached_pack`)."""
+    return cached_pack(weight, "panels", cpu_gemm.pack_panels)
 
 
 def _block_gemm(x: torch.Tensor, weight: torch.Tensor, block_rows: int) -> torch.Tensor:
-    """y = x @ weight.T over rows in fixed blocks of `block_rows` (x 2-D, same dtype).
+    """y = x @ weight.T (x 2-D, same dtype): the canonical GEMM of the module docstring.
 
-    Every block is the same-shape GEMM; the last block is zero-padded to `block_rows`. (With
-    oneDNN's prepacked primitive, a last block of m rows may compute only those m and the whole
-    blocks may run as one call, where `onednn_rows` has seen that give the definition's bits.)
+    On CPU the kernel (`block_rows` plays no part: no row's bits depend on the others);
+    elsewhere every block of `block_rows` rows is the same-shape `torch.mm`, the last block
+    zero-padded.
     """
+    if x.device.type == "cpu" and x.dtype in cpu_gemm.DTYPES:
+        return cpu_gemm.panel_gemm(x, _packed_weight(weight), weight.shape[0])
     m = x.shape[0]
     n = weight.shape[0]
     r = block_rows
-    if x.device.type == "cpu" and _prepacked(x.dtype):
-        wp = _packed_weight(weight, r)
-        x = x.contiguous()
-        whole = m - m % r
-        tail = m - whole
-        if whole == 0 and tail:  # one short block (a decode step, an expert's rows)
-            rows = short_block_rows(weight, wp, r, tail)
-            xp = x if rows == tail else torch.nn.functional.pad(x, (0, 0, 0, rows - tail))
-            return onednn_rows(xp, wp)[:m]
-        at_once = whole_blocks_at_once(weight, wp, r, whole // r)
-        if at_once and not tail:
-            return onednn_rows(x, wp)
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-        if at_once:
-            out[:whole] = onednn_rows(x[:whole], wp)
-        else:
-            for i in range(0, whole, r):
-                out[i : i + r] = onednn_rows(x[i : i + r], wp)
-        if tail:
-            rows = short_block_rows(weight, wp, r, tail)
-            xt = x[whole:]
-            xt = xt if rows == tail else torch.nn.functional.pad(xt, (0, 0, 0, rows - tail))
-            out[whole:] = onednn_rows(xt, wp)[:tail]
-        return out
     mp = -(-m // r) * r if m else 0
     xp = x.contiguous() if mp == m else torch.nn.functional.pad(x, (0, 0, 0, mp - m))
     out = torch.empty(mp, n, dtype=x.dtype, device=x.device)

@@ -29,6 +29,7 @@ _HERE = Path(__file__).resolve().parent
 # Every source a kernel library is built from, in order: part of each op's fingerprint.
 SOURCES: dict[str, tuple[str, ...]] = {
     "attention": ("simd.h", "attention.cpp"),
+    "gemm": ("simd.h", "gemm.cpp"),
     "gdn": ("simd.h", "gdn.cpp"),
     "kvcache": ("kvcache.cpp",),
     "moe": ("simd.h", "moe.cpp"),
