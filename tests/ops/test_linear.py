@@ -10,7 +10,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from isoexec.ops import (
-    gemm,
     get_impl,
     linear,
     linear_tp_invariant,
