@@ -33,12 +33,17 @@ def _kernel() -> ctypes._CFuncPtr:  # type: ignore[name-defined]
 
 def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     """weight [N, K] -> [ceil(N/32), K, 32]: panel p holds columns 32p..32p+31 of the output,
-    k-major, zero past N (layout only: the packed weight gives the same bits as any other)."""
+    k-major, zero past N. In bf16 the 32 columns of one k are stored as pairs (j, j + 16), so
+    the kernel widens a 32-bit word into both with a shift and a mask. Layout only: every
+    packing gives the same bits."""
     n, k = weight.shape
     panels = -(-n // PANEL)
     padded = weight.new_zeros(panels * PANEL, k)
     padded[:n] = weight
-    return padded.view(panels, PANEL, k).transpose(1, 2).contiguous()
+    packed = padded.view(panels, PANEL, k).transpose(1, 2)
+    if weight.dtype == torch.bfloat16:
+        packed = packed.reshape(panels, k, 2, PANEL // 2).transpose(2, 3)
+    return packed.contiguous().view(panels, k, PANEL)
 
 
 def panel_gemm(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:

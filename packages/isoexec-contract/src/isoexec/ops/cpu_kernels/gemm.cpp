@@ -15,7 +15,9 @@
 //
 // Speed comes from the layout, not the order: the weight is packed once (by the caller,
 // cached) into panels of 32 columns, [N/32][K][32], and a register tile of up to 8 rows x 32
-// columns walks k with two weight loads and 16 multiply-adds per step.
+// columns walks k with two weight loads and 16 multiply-adds per step. In bf16 the 32 columns
+// of one k are interleaved (column j and j + 16 share a 32-bit word), so one load and a shift
+// and a mask widen them (bf16 -> fp32 is exact: the bits moved up by 16).
 #include <algorithm>
 #include <type_traits>
 
@@ -32,36 +34,60 @@ constexpr int MR = 8;       // rows of a register tile
 struct Args {
   const void* x;   // [M, K] rows ldx apart, each row contiguous, T
   int64_t M, K, N, ldx;
-  const void* wp;  // packed [ceil(N/32)][K][32], T, zero past N
+  const void* wp;  // packed [ceil(N/32)][K][32], T, zero past N (bf16: pairs interleaved)
   void* y;         // [M, N] contiguous, T
 };
 
-// acc[r][.] = the chains of rows x[0..R) against one panel, all K steps.
+// The 32 weights of one k in fp32: columns 0..15 in w0, 16..31 in w1.
+static inline void widen(const float* p, vf<L>& w0, vf<L>& w1) {
+  w0 = load<L>(p);
+  w1 = load<L>(p + L);
+}
+static inline void widen(const _Float16* p, vf<L>& w0, vf<L>& w1) {
+  w0 = load<L>(p);
+  w1 = load<L>(p + L);
+}
+static inline void widen(const uint16_t* p, vf<L>& w0, vf<L>& w1) {  // interleaved pairs
+  typedef uint32_t u32v __attribute__((vector_size(4 * L)));
+  u32v u;
+  std::memcpy(&u, p, sizeof(u));
+  const u32v lo = u << 16, hi = u & 0xFFFF0000u;
+  std::memcpy(&w0, &lo, sizeof(w0));
+  std::memcpy(&w1, &hi, sizeof(w1));
+}
+
+// out[r * 32 + j] = the chain of row r of x against column j of one panel, all K steps (the
+// accumulators stay in registers: a local array, stored once at the end).
 template <class W, int R>
-static inline void tile(const float* x, int64_t ldx, const W* wp, int64_t K, vf<L> (&acc)[MR][2]) {
+static inline void tile(const float* x, int64_t ldx, const W* wp, int64_t K, float* out) {
+  vf<L> acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = vf<L>{};
   for (int64_t k = 0; k < K; ++k) {
-    const vf<L> w0 = load<L>(wp + k * NB), w1 = load<L>(wp + k * NB + L);
+    vf<L> w0, w1;
+    widen(wp + k * NB, w0, w1);
     for (int r = 0; r < R; ++r) {
       const vf<L> xs = splat<L>(x[r * ldx + k]);
       acc[r][0] = fmadd<L>(xs, w0, acc[r][0]);
       acc[r][1] = fmadd<L>(xs, w1, acc[r][1]);
     }
   }
+  for (int r = 0; r < R; ++r) {
+    store<L>(out + r * NB, acc[r][0]);
+    store<L>(out + r * NB + L, acc[r][1]);
+  }
 }
 
 template <class W>
-static void any_tile(int rows, const float* x, int64_t ldx, const W* wp, int64_t K,
-                     vf<L> (&acc)[MR][2]) {
+static void any_tile(int rows, const float* x, int64_t ldx, const W* wp, int64_t K, float* out) {
   switch (rows) {
-    case 8: tile<W, 8>(x, ldx, wp, K, acc); break;
-    case 7: tile<W, 7>(x, ldx, wp, K, acc); break;
-    case 6: tile<W, 6>(x, ldx, wp, K, acc); break;
-    case 5: tile<W, 5>(x, ldx, wp, K, acc); break;
-    case 4: tile<W, 4>(x, ldx, wp, K, acc); break;
-    case 3: tile<W, 3>(x, ldx, wp, K, acc); break;
-    case 2: tile<W, 2>(x, ldx, wp, K, acc); break;
-    default: tile<W, 1>(x, ldx, wp, K, acc); break;
+    case 8: tile<W, 8>(x, ldx, wp, K, out); break;
+    case 7: tile<W, 7>(x, ldx, wp, K, out); break;
+    case 6: tile<W, 6>(x, ldx, wp, K, out); break;
+    case 5: tile<W, 5>(x, ldx, wp, K, out); break;
+    case 4: tile<W, 4>(x, ldx, wp, K, out); break;
+    case 3: tile<W, 3>(x, ldx, wp, K, out); break;
+    case 2: tile<W, 2>(x, ldx, wp, K, out); break;
+    default: tile<W, 1>(x, ldx, wp, K, out); break;
   }
 }
 
@@ -90,15 +116,12 @@ static void run(const Args& a, int threads) {
   parallel_items(panels * tiles, threads, tiles, [&](int64_t item, int) {
     const int64_t p = item / tiles, t = item % tiles;
     const int rows = int(std::min<int64_t>(MR, a.M - t * MR));
-    vf<L> acc[MR][2];
-    any_tile<T>(rows, xf + t * MR * ldx, ldx, wp + p * a.K * NB, a.K, acc);
+    float out[MR * NB];
+    any_tile<T>(rows, xf + t * MR * ldx, ldx, wp + p * a.K * NB, a.K, out);
     const int64_t n0 = p * NB, cols = std::min<int64_t>(NB, a.N - n0);
     for (int r = 0; r < rows; ++r) {
-      float out[NB];
-      store<L>(out, acc[r][0]);
-      store<L>(out + L, acc[r][1]);
       T* yr = y + (t * MR + r) * a.N + n0;
-      for (int64_t j = 0; j < cols; ++j) put(yr + j, out[j]);
+      for (int64_t j = 0; j < cols; ++j) put(yr + j, out[r * NB + j]);
     }
   });
 }
