@@ -7,8 +7,11 @@ shares no code and no hardware rounding with the kernel.
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
+import subprocess
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from _ops_testlib import num_threads
 
-from isoexec.ops import REGISTRY, cpu_gemm, gemm, linear
+from isoexec.ops import REGISTRY, cpu_gemm, cpu_kernels, gemm, linear
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -31,28 +34,45 @@ def _round_f32(q: Fraction) -> Fraction:
     return Fraction(float(best))
 
 
-def _oracle(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The definition, one output at a time: acc = round_f32(x_k * w_k + acc), k ascending."""
+def _order(k: int, pairs: bool) -> list[int]:
+    """The k order of one chain: ascending, or (bf16) pairs with the odd k first."""
+    if not pairs:
+        return list(range(k))
+    return [j for p in range(0, k, 2) for j in ((p + 1, p) if p + 1 < k else (p,))]
+
+
+def _oracle(x: torch.Tensor, w: torch.Tensor, pairs: bool | None = None) -> torch.Tensor:
+    """The definition's fp32 chains: acc = round_f32(x_k * w_k + acc) in the kernel's k order."""
+    order = _order(x.shape[1], x.dtype == torch.bfloat16 if pairs is None else pairs)
     xs = [[Fraction(v) for v in row] for row in x.double().tolist()]
     ws = [[Fraction(v) for v in row] for row in w.double().tolist()]
     out = torch.empty(len(xs), len(ws), dtype=torch.float64)
     for i, xr in enumerate(xs):
         for j, wr in enumerate(ws):
             acc = Fraction(0)
-            for a, b in zip(xr, wr, strict=True):
-                acc = _round_f32(a * b + acc)
+            for k in order:
+                acc = _round_f32(xr[k] * wr[k] + acc)
             out[i, j] = float(acc)
-    return out.float().to(x.dtype)  # exact to fp32, then one rounding to T (ties to even)
+    return out.float()  # exact
+
+
+def _chains(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The kernel's fp32 chains before the final rounding."""
+    return cpu_gemm.panel_gemm(x, cpu_gemm.pack_panels(w), w.shape[0], fp32_out=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_is_the_fma_chain_bit_for_bit(dtype):
-    """Every output equals the exact-arithmetic chain; 37 columns cross a 32-column panel and
-    end in a partial one, 11 rows a full 8-row tile and a partial one."""
+@pytest.mark.parametrize("k", [45, 46])
+def test_kernel_is_the_fma_chain_bit_for_bit(dtype, k):
+    """Every fp32 chain equals the exact-arithmetic chain in the definition's order, and the
+    output is that chain rounded once; 37 columns cross a 32-column panel and end in a partial
+    one, 11 rows a full 8-row tile and a partial one, an odd K ends bf16 on a single k."""
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(11, 45, generator=g).to(dtype)
-    w = torch.randn(37, 45, generator=g).to(dtype)
-    assert torch.equal(linear(x, w), _oracle(x, w))
+    x = torch.randn(11, k, generator=g).to(dtype)
+    w = torch.randn(37, k, generator=g).to(dtype)
+    want = _oracle(x, w)
+    assert torch.equal(_chains(x, w), want)
+    assert torch.equal(linear(x, w), want.to(dtype))
 
 
 def test_kernel_oracle_sees_a_changed_order():
@@ -64,6 +84,10 @@ def test_kernel_oracle_sees_a_changed_order():
     assert torch.equal(linear(x, w), want)
     assert not torch.equal(linear(x.flip(-1), w.flip(-1)), want)
     assert not torch.equal(F.linear(x, w), want)
+    # bf16: the pairs' odd-first order is visible in the fp32 chains
+    xb, wb = x[:2, :64].bfloat16(), w[:8, :64].bfloat16()
+    assert torch.equal(_chains(xb, wb), _oracle(xb, wb))
+    assert not torch.equal(_chains(xb, wb), _oracle(xb, wb, pairs=False))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -114,7 +138,7 @@ def test_edges_and_refusals():
     with pytest.raises(ValueError, match="packed weight"):
         cpu_gemm.panel_gemm(torch.ones(2, 9), packed, 5)
     with pytest.raises(ValueError, match="packed weight"):
-        cpu_gemm.panel_gemm(torch.ones(2, 8, dtype=torch.bfloat16), packed, 5)
+        cpu_gemm.panel_gemm(torch.ones(2, 8, dtype=torch.float16), packed, 5)
 
 
 # sha256 of the kernel's output on fixed inputs. The bits are the source's (one fused
@@ -127,6 +151,9 @@ SAVED_V2 = {
 }
 
 
+SAVED_V2_BF16_CHAINS = "4bf0f7882f0742cb"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_saved_bits_v2(dtype):
     assert REGISTRY["linear"].version == 2
@@ -135,3 +162,46 @@ def test_saved_bits_v2(dtype):
     w = (torch.randn(99, 700, generator=g) * 0.1).to(dtype)
     digest = hashlib.sha256(linear(x, w).view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
     assert digest == SAVED_V2[dtype], digest
+    if dtype == torch.bfloat16:  # the bf16 rounding hides most of the order: the fp32 chains
+        chains = hashlib.sha256(_chains(x, w).numpy().tobytes()).hexdigest()[:16]
+        assert chains == SAVED_V2_BF16_CHAINS, chains
+
+
+def _build_without_bf16_dot(tmp_path) -> ctypes.CDLL:
+    """The gemm kernel built as a CPU without VDPBF16PS builds it: two FMAs under FTZ/DAZ."""
+    src = Path(cpu_kernels.__file__).parent
+    so = tmp_path / "gemm-emulated.so"
+    cmd = [cpu_kernels._compiler(), *cpu_kernels.CXX_FLAGS, "-mno-avx512bf16", f"-I{src}"]
+    subprocess.run([*cmd, str(src / "gemm.cpp"), "-o", str(so)], check=True)
+    lib = ctypes.CDLL(str(so))
+    lib.isx_gemm.restype = ctypes.c_int
+    lib.isx_gemm.argtypes = cpu_gemm._kernel().argtypes
+    return lib
+
+
+def test_bf16_pairs_without_the_instruction_give_its_bits(tmp_path):
+    """CI draws CPUs with and without AVX512-BF16: the emulated pair step (two FMAs under
+    flush-to-zero and denormals-are-zero) gives the instruction's bits, denormal inputs and
+    underflowing products included; without FTZ/DAZ the emulation would differ there."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(9, 130, generator=g)
+    w = torch.randn(70, 130, generator=g)
+    x[0] *= 1e-20  # with w[:5]: products in fp32's denormal range
+    w[:5] *= 1e-20
+    x[1] *= 1e-39  # bf16 denormal inputs
+    x, w = x.bfloat16(), w.bfloat16()
+    packed = cpu_gemm.pack_panels(w)
+    lib = _build_without_bf16_dot(tmp_path)
+    for fp32_out in (True, False):
+        want = cpu_gemm.panel_gemm(x, packed, 70, fp32_out=fp32_out)
+        got = torch.empty_like(want)
+        rc = lib.isx_gemm(
+            x.data_ptr(), 9, 130, 70, 130, packed.data_ptr(), got.data_ptr(),
+            cpu_kernels.DTYPE_CODES[torch.bfloat16], int(fp32_out), 2,
+        )  # fmt: skip
+        assert rc == 0 and torch.equal(got.view(torch.int16), want.view(torch.int16)), fp32_out
+    chains = cpu_gemm.panel_gemm(x, packed, 70, fp32_out=True)
+    assert torch.equal(chains[2:], _oracle(x[2:], w))  # normal rows: the plain definition
+    # the flushes are real: exact chains of denormal products are not zero, the kernel's are
+    assert (_oracle(x[:1], w[:5]) != 0).all() and (chains[0, :5] == 0).all()
+    assert (_oracle(x[1:2], w[5:]) != 0).all() and (chains[1] == 0).all()  # read as 0
