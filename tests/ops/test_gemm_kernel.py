@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 from _ops_testlib import num_threads
 
 from isoexec.ops import REGISTRY, cpu_gemm, cpu_kernels, gemm, linear
@@ -76,14 +75,14 @@ def test_kernel_is_the_fma_chain_bit_for_bit(dtype, k):
 
 
 def test_kernel_oracle_sees_a_changed_order():
-    """Negative control: the same products summed k descending (or by torch's GEMM) give
-    other bits, and the oracle tells them apart: the test above can fail."""
+    """Negative control: the same products summed k descending give other bits, and the
+    oracle tells them apart: the test above can fail. (Built in, not borrowed from a BLAS:
+    a vendor GEMM may well accumulate k ascending too.)"""
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(6, 300, generator=g), torch.randn(40, 300, generator=g)
     want = _oracle(x, w)
     assert torch.equal(linear(x, w), want)
     assert not torch.equal(linear(x.flip(-1), w.flip(-1)), want)
-    assert not torch.equal(F.linear(x, w), want)
     # bf16: the pairs' odd-first order is visible in the fp32 chains
     xb, wb = x[:2, :64].bfloat16(), w[:8, :64].bfloat16()
     assert torch.equal(_chains(xb, wb), _oracle(xb, wb))

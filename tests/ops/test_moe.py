@@ -244,13 +244,14 @@ def test_grouped_gemm_is_its_written_order(dtype, lanes):
 
 
 def test_negative_control_v1_onednn_blocks_differ():
-    """v1's experts (32-row zero-padded oneDNN blocks, FMA, its own K blocking) give other bits
-    than the kernel: the fixed order is a real choice, so a side on v1 must not MATCH."""
+    """Experts through the canonical linear (v1 ran them so, in 32-row oneDNN blocks; now the
+    linear's one chain per output) give other bits than the grouped kernel's lanes: the fixed
+    order is a real choice, so a side on another expert GEMM must not MATCH."""
     from isoexec.ops import linear, moe, silu_mul
 
     x, _w, ids, w13, w2, _ = _routed(torch.float32, 40, seed=7)
     v1 = torch.zeros(ids.shape[0], ids.shape[1], w2.shape[1])
-    for e in torch.unique(ids).tolist():  # v1: per expert, ascending, 32-row oneDNN blocks
+    for e in torch.unique(ids).tolist():  # per expert, ascending, through the linear
         tok, slot = (ids == e).nonzero(as_tuple=True)
         v1[tok, slot] = linear(silu_mul(linear(x[tok], w13[e])), w2[e])
     v2 = moe.moe_experts(x, ids, w13, w2)

@@ -19,11 +19,11 @@ dtype (`expert_gemm`, recorded in the contract by `impl_params`):
   engine like the linear's). A decode step streams each expert's weight once: the medium GDN
   model's routed experts took 13.4 ms per decode step, 19.1 on the blocks (one thread,
   Sapphire Rapids; benchmarks/moe_decode_bench.py).
-- bf16 elsewhere, and fp16 (v4): the canonical `linear`'s block GEMM per group (fixed 32-row
-  zero-padded blocks; oneDNN's prepacked primitive where oneDNN has bf16), whose library is
-  recorded as every linear's is. The grouped kernel's fp32 vector FMAs ran the medium
-  model's bf16 experts ~1.8x slower at decode and ~10x at prefill (one thread, Sapphire
-  Rapids). (The grouped kernel still takes bf16/fp16: its tests pin its order there too.)
+- bf16 elsewhere, and fp16 (v4): the canonical `linear`'s GEMM per group (since v6 linear
+  v2's kernel, each group's rows as they are), whose library is recorded as every linear's
+  is. The grouped kernel's fp32 vector FMAs ran the medium model's bf16 experts ~1.8x
+  slower at decode and ~10x at prefill (one thread, Sapphire Rapids). (The grouped kernel
+  still takes bf16/fp16: its tests pin its order there too.)
 
 History: v1 ran the block GEMM in every dtype (fp32 decode paid for 32 rows per expert); v2
 the grouped kernel in every dtype; v3 fused its fp32 multiply-add (v2 rounded the fp32 product
@@ -205,38 +205,25 @@ def _amx_groups(
 def _block_groups(
     x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, wsel: torch.Tensor
 ) -> torch.Tensor:
-    """x's dtype [S, N]: each group's rows through the canonical linear's block GEMM with its
+    """x's dtype [S, N]: each group's rows through the canonical linear's GEMM with its
     expert's weight (a slice of the stacked parameter: the engine's packed-weight cache keeps
-    one packed copy per expert).
+    one packed copy per expert), the groups' outputs in order.
 
-    Every group's rows are laid out once in one zero-padded buffer, each group on its own run
-    of whole blocks, and read back with one row gather: the blocks `_block_gemm` would pad
-    group by group, and so its bits, with a few torch calls per projection instead of a few
-    per expert (a decode step's cost is mostly such calls)."""
+    Each group's rows run as they are: the CPU GEMM (linear v2) computes every row alone, so
+    nothing is padded (linear v1's 32-row blocks padded each expert's few decode rows to 32)."""
     _check_operands(x, w)
     if x.dtype != w.dtype:
         raise TypeError(f"moe: x {x.dtype} and w {w.dtype} differ")
     cut = offsets.tolist()
-    ids = wsel.tolist()
     r = gemm.DEFAULT_BLOCK_ROWS
-    if len(ids) == 1 and cut == [0, x.shape[0]]:  # one group of every row (a shared expert)
-        return gemm._block_gemm(x, w[ids[0]], r)
-    # each non-empty group on its own whole blocks [a, b) of the padded buffer
-    spans: list[tuple[int, int, int]] = []
-    dest: list[torch.Tensor] = []
-    at = 0
-    for g, e in enumerate(ids):
-        n = cut[g + 1] - cut[g]
-        if n:
-            dest.append(torch.arange(at, at + n))
-            spans.append((at, at + -(-n // r) * r, e))
-            at = spans[-1][1]
-    if not dest:
+    outs = [
+        gemm._block_gemm(x[cut[g] : cut[g + 1]], w[e], r)
+        for g, e in enumerate(wsel.tolist())
+        if cut[g + 1] > cut[g]
+    ]
+    if not outs:
         return x.new_empty(0, w.shape[1])
-    where = torch.cat(dest)
-    xp = x.new_zeros(at, x.shape[1]).index_copy_(0, where, x)
-    outs = [gemm._block_gemm(xp[a:b], w[e], r) for a, b, e in spans]
-    return torch.cat(outs).index_select(0, where)
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _forward(
