@@ -128,8 +128,8 @@ def test_bits_ignore_torchs_gemm_settings():
 
 
 def test_edges_and_refusals():
-    """K = 0 gives +0s, M = 0 an empty result; a packed weight of another K or dtype is
-    refused loudly rather than read past."""
+    """K = 0 gives +0s, M = 0 an empty result; a packed weight of another K or dtype, or with
+    fewer columns than asked for, is refused loudly rather than read past."""
     empty_k = cpu_gemm.pack_panels(torch.ones(5, 0))
     assert torch.equal(cpu_gemm.panel_gemm(torch.ones(3, 0), empty_k, 5), torch.zeros(3, 5))
     assert linear(torch.ones(0, 8), torch.ones(5, 8)).shape == (0, 5)
@@ -138,6 +138,8 @@ def test_edges_and_refusals():
         cpu_gemm.panel_gemm(torch.ones(2, 9), packed, 5)
     with pytest.raises(ValueError, match="packed weight"):
         cpu_gemm.panel_gemm(torch.ones(2, 8, dtype=torch.float16), packed, 5)
+    with pytest.raises(ValueError, match="packed weight"):  # more columns than it holds
+        cpu_gemm.panel_gemm(torch.ones(2, 8), packed, 33)
 
 
 # sha256 of the kernel's output on fixed inputs. The bits are the source's (one fused

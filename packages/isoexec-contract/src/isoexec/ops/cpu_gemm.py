@@ -1,8 +1,9 @@
 """The canonical CPU GEMM's Python side: pack a weight into panels, call the kernel.
 
 The bits are `cpu_kernels/gemm.cpp`'s: every output is one fp32 fused multiply-add chain over
-k in ascending order, rounded once, so a row's bits never depend on the other rows, the
-thread count or the machine's BLAS (docs/ops.md, "linear"). This module only moves data:
+k in ascending order (bf16: in k pairs, VDPBF16PS's order), rounded once, so a row's bits
+never depend on the other rows, the thread count or the machine's BLAS (docs/ops.md,
+"linear"). This module only moves data:
 `pack_panels` lays the weight out for the kernel (done once per weight by the caller's
 cache), `panel_gemm` checks the operands and calls it with as little Python as a decode
 step can afford (the per-call cost was #37's largest row).
@@ -60,7 +61,7 @@ def panel_gemm(
         x = x.contiguous()
     m, k = x.shape
     k_packed = (k + 1) // 2 if x.dtype == torch.bfloat16 else k
-    if packed.shape[1] != k_packed or packed.dtype != x.dtype:
+    if packed.shape[1] != k_packed or packed.dtype != x.dtype or packed.shape[0] * PANEL < n:
         raise ValueError(
             f"cpu gemm: x {tuple(x.shape)} {x.dtype} against packed weight "
             f"{tuple(packed.shape)} {packed.dtype}"

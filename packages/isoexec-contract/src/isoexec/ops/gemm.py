@@ -3,11 +3,13 @@
 Why: a GEMM's row result depends on M (a BLAS picks kernels by shape), so `F.linear` gives a
 token different bits alone and in a batch.
 
-On CPU (fp32, bf16, fp16) the GEMM is IsoExec's own kernel (`cpu_gemm`, `cpu_kernels/gemm.cpp`):
-each output is one fp32 fused multiply-add chain over k ascending, rounded once to the
-input dtype, so no row depends on another, on the thread count, or on which BLAS or oneDNN
-torch was built with. (Until v2 the CPU ran fixed 32-row blocks through oneDNN's prepacked
-primitive; torch's entry point to it cost about twice vLLM's own at a decode step, #37.)
+On CPU (fp32, bf16, fp16) the GEMM is IsoExec's own kernel (`cpu_gemm`,
+`cpu_kernels/gemm.cpp`): each output is one fp32 fused multiply-add chain over k ascending
+(bf16: k in pairs, the odd one first, FTZ/DAZ, the order of x86's VDPBF16PS), rounded once
+to the input dtype, so no row depends on another, on the thread count, or on which BLAS or
+oneDNN torch was built with. (Until v2 the CPU ran fixed 32-row blocks through oneDNN's
+prepacked primitive; torch's entry point to it cost about twice vLLM's own at a decode
+step, #37.)
 Elsewhere (CUDA, fp64) rows are cut into fixed blocks of R (the last one zero-padded) and
 each block runs the same fixed-shape `torch.mm`: repeatable whatever the other rows hold.
 
