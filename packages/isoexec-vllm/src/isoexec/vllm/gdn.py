@@ -34,6 +34,7 @@ from isoexec.contract.impl import ImplInfo, declared_impl
 from isoexec.ops.binding import bind
 from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
+from isoexec.vllm.opaque_op import opaque_op
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.custom_op import CustomOp, PluggableLayer
 from vllm.model_executor.layers.layernorm import RMSNormGated
@@ -47,7 +48,7 @@ from vllm.model_executor.models.qwen3_next import Qwen3NextAttention
 ATTN_OUTPUT_GATE_IMPL = ops.ATTN_OUTPUT_GATE_IMPL
 
 
-@torch.library.custom_op("isoexec::gdn_core", mutates_args=("core",))
+@opaque_op("gdn_core", mutates_args=("core",))
 def _gdn_core(
     mixed_qkv: torch.Tensor, b: torch.Tensor, a: torch.Tensor, core: torch.Tensor, layer: str
 ) -> None:
