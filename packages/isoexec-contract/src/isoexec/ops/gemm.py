@@ -35,6 +35,8 @@ DEFAULT_TP_LEAVES = 8
 _PACK_CACHE: dict[tuple, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 # Off unless the owner of the weights turns it on (see `enable_packed_weight_cache`).
 _PACK_CACHE_ENABLED = False
+# The C++ linear's own cache (`cpu_torch_ops`), once its library is loaded: (set, clear).
+_NATIVE_PACK_CACHE: tuple[Callable[[bool], None], Callable[[], None]] | None = None
 
 
 def enable_packed_weight_cache(enabled: bool = True) -> None:
@@ -50,11 +52,25 @@ def enable_packed_weight_cache(enabled: bool = True) -> None:
     _PACK_CACHE_ENABLED = enabled
     if not enabled:
         _PACK_CACHE.clear()
+    if _NATIVE_PACK_CACHE is not None:
+        _NATIVE_PACK_CACHE[0](enabled)
 
 
 def clear_packed_weight_cache() -> None:
     """Forget every prepacked weight (call after writing weights through `.data`)."""
     _PACK_CACHE.clear()
+    if _NATIVE_PACK_CACHE is not None:
+        _NATIVE_PACK_CACHE[1]()
+
+
+def attach_native_pack_cache(
+    set_enabled: Callable[[bool], None], clear: Callable[[], None]
+) -> None:
+    """Let the two functions above also rule the C++ linear's cache (`cpu_torch_ops.load`),
+    which starts in this cache's state: one protocol for both."""
+    global _NATIVE_PACK_CACHE
+    _NATIVE_PACK_CACHE = (set_enabled, clear)
+    set_enabled(_PACK_CACHE_ENABLED)
 
 
 # What a CPU site records as its GEMM library: the kernel, whose bits no build setting changes.

@@ -24,8 +24,11 @@ import torch
 from torch import Tensor
 
 from isoexec import ops
+from isoexec.ops import cpu_kernels, cpu_torch_ops
 from isoexec.ops.capture_guard import capture_guard_enabled, run_guarded
 from isoexec.ops.rope import rope_cos_sin_table
+from isoexec.vllm.opaque_op import opaque_op
+from vllm.platforms import current_platform
 
 
 def _mod(backend: str) -> ModuleType:
@@ -47,7 +50,7 @@ def _own(out: Tensor, *inputs: Tensor | None) -> Tensor:
 
 
 # ---- norms -----------------------------------------------------------------------------------
-@torch.library.custom_op("isoexec::rms_norm", mutates_args=())
+@opaque_op("rms_norm")
 def _rms_norm(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) -> Tensor:
     out = _call(backend, "rms_norm", x, weight, eps, zero_centered=zero_centered)
     return _own(out, x, weight)
@@ -58,7 +61,7 @@ def _(backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool) 
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("isoexec::rms_norm_residual", mutates_args=())
+@opaque_op("rms_norm_residual")
 def _rms_norm_residual(
     backend: str, x: Tensor, weight: Tensor, eps: float, zero_centered: bool, residual: Tensor
 ) -> tuple[Tensor, Tensor]:
@@ -75,7 +78,7 @@ def _(
     return torch.empty_like(x), torch.empty_like(x)
 
 
-@torch.library.custom_op("isoexec::gated_rms_norm", mutates_args=())
+@opaque_op("gated_rms_norm")
 def _gated_rms_norm(backend: str, x: Tensor, z: Tensor, weight: Tensor, eps: float) -> Tensor:
     return _own(_call(backend, "gated_rms_norm", x, z, weight, eps), x, z, weight)
 
@@ -90,7 +93,7 @@ def _linear_fake(x: Tensor, weight: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-@torch.library.custom_op("isoexec::linear", mutates_args=())
+@opaque_op("linear")
 def _linear(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _own(_call(backend, "linear", x, weight, bias), x, weight, bias)
 
@@ -100,7 +103,7 @@ def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _linear_fake(x, weight)
 
 
-@torch.library.custom_op("isoexec::linear_tp_invariant", mutates_args=())
+@opaque_op("linear_tp_invariant")
 def _linear_tp_invariant(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _own(_call(backend, "linear_tp_invariant", x, weight, bias), x, weight, bias)
 
@@ -110,7 +113,7 @@ def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     return _linear_fake(x, weight)
 
 
-@torch.library.custom_op("isoexec::linear_tp_shard", mutates_args=())
+@opaque_op("linear_tp_shard")
 def _linear_tp_shard(
     backend: str, x: Tensor, weight: Tensor, bias: Tensor | None, tp: int
 ) -> Tensor:
@@ -128,7 +131,7 @@ def _(backend: str, x: Tensor, weight: Tensor, bias: Tensor | None, tp: int) -> 
 
 
 # ---- activation, rope, gate ------------------------------------------------------------------
-@torch.library.custom_op("isoexec::silu_mul", mutates_args=())
+@opaque_op("silu_mul")
 def _silu_mul(backend: str, x: Tensor) -> Tensor:
     return _own(_call(backend, "silu_mul", x), x)
 
@@ -138,7 +141,7 @@ def _(backend: str, x: Tensor) -> Tensor:
     return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
-@torch.library.custom_op("isoexec::rope", mutates_args=())
+@opaque_op("rope")
 def _rope(
     backend: str, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
 ) -> Tensor:
@@ -167,7 +170,7 @@ def _(
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("isoexec::attn_output_gate", mutates_args=())
+@opaque_op("attn_output_gate")
 def _attn_output_gate(backend: str, out: Tensor, gate: Tensor) -> Tensor:
     return _own(_call(backend, "attn_output_gate", out, gate), out, gate)
 
@@ -178,7 +181,7 @@ def _(backend: str, out: Tensor, gate: Tensor) -> Tensor:
 
 
 # ---- MoE -------------------------------------------------------------------------------------
-@torch.library.custom_op("isoexec::moe_router", mutates_args=())
+@opaque_op("moe_router")
 def _moe_router(
     backend: str, logits: Tensor, top_k: int, renormalize: bool
 ) -> tuple[Tensor, Tensor]:
@@ -195,7 +198,7 @@ def _(backend: str, logits: Tensor, top_k: int, renormalize: bool) -> tuple[Tens
     )
 
 
-@torch.library.custom_op("isoexec::moe_combine", mutates_args=())
+@opaque_op("moe_combine")
 def _moe_combine(
     backend: str,
     x: Tensor,
@@ -229,7 +232,7 @@ def _(
     return torch.empty_like(x)
 
 
-@torch.library.custom_op("isoexec::lora_apply_by_slot", mutates_args=())
+@opaque_op("lora_apply_by_slot")
 def _lora_apply_by_slot(
     base: Tensor,
     x: Tensor,
@@ -256,7 +259,7 @@ def _(
     return torch.empty_like(base)
 
 
-@torch.library.custom_op("isoexec::lora_expand_by_slot", mutates_args=())
+@opaque_op("lora_expand_by_slot")
 def _lora_expand_by_slot(base: Tensor, h: Tensor, slot_of_row: Tensor, b_stacked: Tensor) -> Tensor:
     return _own(ops.lora_expand_by_slot(base, h, slot_of_row, b_stacked), base, h)
 
@@ -274,6 +277,17 @@ class CompiledOps:
     def __init__(self, backend: str = "torch") -> None:
         self.backend = backend
         self._mod = _mod(backend)  # refuses an unknown backend here, at site construction
+        # On a CPU engine the torch backend's norms and linears are C++ operators
+        # (`ops.cpu_torch_ops`: the same kernels without Python in the call); built here, at
+        # site construction, not inside a compiled graph's trace.
+        self._native = backend == ops.BACKEND and current_platform.is_cpu()
+        if self._native:
+            cpu_torch_ops.load()
+
+    def _native_for(self, x: Tensor) -> bool:
+        """Whether this call goes to `torch.ops.isoexec_cpu` (a CPU tensor, no capture guard:
+        the guard checks the Python ops' bodies)."""
+        return self._native and x.device.type == "cpu" and not capture_guard_enabled()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._mod, name)
@@ -287,6 +301,10 @@ class CompiledOps:
         zero_centered: bool = False,
         residual: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
+        if self._native_for(x) and x.dtype in cpu_kernels.DTYPE_CODES:
+            if residual is None:
+                return torch.ops.isoexec_cpu.rms_norm(x, weight, eps, zero_centered)
+            return torch.ops.isoexec_cpu.rms_norm_residual(x, weight, eps, zero_centered, residual)
         if residual is None:
             return torch.ops.isoexec.rms_norm(self.backend, x, weight, eps, zero_centered)
         return torch.ops.isoexec.rms_norm_residual(
@@ -297,6 +315,8 @@ class CompiledOps:
         return torch.ops.isoexec.gated_rms_norm(self.backend, x, z, weight, eps)
 
     def linear(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if self._native_for(x) and cpu_torch_ops.runs_linear(x, weight):
+            return torch.ops.isoexec_cpu.linear(x, weight, bias)
         return torch.ops.isoexec.linear(self.backend, x, weight, bias)
 
     def linear_tp_invariant(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

@@ -86,14 +86,23 @@ def _cache_dir() -> Path:
     return Path(base) / "isoexec" / "kernels"
 
 
-@cache
-def library(name: str) -> ctypes.CDLL:
-    """The built library `name` (built now if this machine has no build of these sources)."""
+def _build(
+    name: str,
+    sources: tuple[str, ...],
+    flags: tuple[str, ...],
+    key_text: str,
+    libs: tuple[str, ...] = (),
+) -> Path:
+    """The shared object built from `sources` with `flags`, linked with `libs` (after the
+    sources: a linker drops a library it sees before anything needs it), from this machine's
+    cache (built now, under a file lock, if missing); `key_text`: what else the build depends
+    on."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False)
+    text = "\0".join((_HERE / f).read_text() for f in sources)
     key = hashlib.sha256(
         "\0".join(
-            [source_text(name), cxx, version.stdout, " ".join(CXX_FLAGS), _cpu_identity()]
+            [text, cxx, version.stdout, " ".join(flags), " ".join(libs), key_text, _cpu_identity()]
         ).encode()
     ).hexdigest()[:20]
     out_dir = _cache_dir()
@@ -104,8 +113,8 @@ def library(name: str) -> ctypes.CDLL:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not so.exists():
                 tmp = so.with_suffix(f".{os.getpid()}.tmp")
-                src = [str(_HERE / f) for f in SOURCES[name] if f.endswith(".cpp")]
-                cmd = [cxx, *CXX_FLAGS, f"-I{_HERE}", *src, "-o", str(tmp)]
+                src = [str(_HERE / f) for f in sources if f.endswith(".cpp")]
+                cmd = [cxx, *flags, f"-I{_HERE}", *src, *libs, "-o", str(tmp)]
                 res = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if res.returncode != 0:
                     raise RuntimeError(
@@ -113,7 +122,39 @@ def library(name: str) -> ctypes.CDLL:
                         f"{res.stderr[-4000:]}"
                     )
                 os.replace(tmp, so)
-    return ctypes.CDLL(str(so))
+    return so
+
+
+@cache
+def library(name: str) -> ctypes.CDLL:
+    """The built library `name` (built now if this machine has no build of these sources)."""
+    return ctypes.CDLL(str(_build(name, SOURCES[name], CXX_FLAGS, "")))
+
+
+# The C++-registered torch operators (`torch_ops.cpp`) and the kernels they call. Only data
+# movement is added to the kernels, so these sources are not part of an op's fingerprint.
+TORCH_OP_SOURCES = ("simd.h", "norm.cpp", "gemm.cpp", "torch_ops.cpp")
+
+
+@cache
+def torch_op_library() -> Path:
+    """Build (once per machine) and load `torch.ops.isoexec_cpu`; the library's path.
+
+    Built against the running torch's headers and libraries, with its C++ ABI: the key holds
+    torch's version and install path, so another torch builds its own."""
+    root = Path(torch.__file__).resolve().parent
+    include = root / "include"
+    flags = (
+        *CXX_FLAGS,
+        "-w",  # torch's headers warn under -std=c++17; the kernels' sources build warning-free
+        f"-I{include}",
+        f"-I{include / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}",
+    )
+    libs = (f"-L{root / 'lib'}", f"-Wl,-rpath,{root / 'lib'}", "-lc10", "-ltorch_cpu")
+    so = _build("torch_ops", TORCH_OP_SOURCES, flags, f"{torch.__version__}\0{root}", libs)
+    torch.ops.load_library(str(so))
+    return so
 
 
 def ptr(t: object) -> ctypes.c_void_p:

@@ -1,0 +1,73 @@
+"""The hottest canonical CPU ops as C++-registered torch operators: `torch.ops.isoexec_cpu`.
+
+Why: an engine's decode step at a small size is some 46 op calls, and through Python each
+costs a custom-op dispatch, the op's Python and ctypes, 10-20 us on these CPUs against about
+1 us for an operator registered in C++ (#37's profile). `cpu_kernels/torch_ops.cpp` wraps the
+very kernels the Python ops call, with the same arguments, so the bits are the same
+(tests/ops/test_torch_ops.py); it adds data movement only, so it is not part of any op's
+fingerprint.
+
+- `rms_norm(x, weight, eps, zero_centered)` and `rms_norm_residual(..., residual)`: `norm.
+  rms_norm` on CPU.
+- `linear(x, weight, bias)`: `gemm.linear` on CPU for fp32/bf16/fp16 without gradient. Its
+  packed weights live in a C++ cache with the Python cache's rules, enabled and cleared by
+  `gemm.enable_packed_weight_cache` and `gemm.clear_packed_weight_cache` (one protocol).
+
+The library is built from source on first use, against the running torch (a few seconds),
+and cached per machine, as the other CPU kernels are. The engine calls these ops inside
+vLLM's compiled graph (`isoexec.vllm.compiled_ops`); the fake implementations below give
+torch.compile their shapes.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import torch
+
+from . import cpu_kernels, gemm
+
+NAMESPACE = "isoexec_cpu"
+OPS = ("rms_norm", "rms_norm_residual", "linear")
+
+
+@cache
+def load() -> None:
+    """Build (once per machine) and load the operators; register their shapes for tracing."""
+    cpu_kernels.torch_op_library()
+
+    @torch.library.register_fake(f"{NAMESPACE}::rms_norm")
+    def _(x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{NAMESPACE}::rms_norm_residual")
+    def _(
+        x: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool, r: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.empty_like(x), torch.empty_like(x)
+
+    @torch.library.register_fake(f"{NAMESPACE}::linear")
+    def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+    native = torch.ops.isoexec_cpu
+    gemm.attach_native_pack_cache(native.set_pack_cache, native.clear_pack_cache)
+
+
+def runs_linear(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` takes these operands (else the Python op, which refuses or serves
+    them): CPU, one kernel dtype for both."""
+    return (
+        x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.dtype == weight.dtype
+        and x.dtype in cpu_kernels.DTYPE_CODES
+    )
+
+
+def pack_cache_size() -> int:
+    """Entries in the C++ linear's packed-weight cache (tests: the protocol reaches it)."""
+    return int(torch.ops.isoexec_cpu.pack_cache_size())
+
+
+__all__ = ["NAMESPACE", "OPS", "load", "pack_cache_size", "runs_linear"]
