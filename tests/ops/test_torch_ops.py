@@ -105,6 +105,62 @@ def test_linear_rows_ignore_the_batch_and_threads() -> None:
     assert torch.equal(alone, batch[::50])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_bits_equal_the_python_op(dtype: torch.dtype) -> None:
+    """Every length's tail included (the padding is what makes silu position-invariant), at
+    1 and 2 threads, from strided views; the negative control: torch's silu on the unpadded
+    gate differs somewhere (its scalar tail), so the padding is not a no-op."""
+    g = torch.Generator().manual_seed(3)
+    wide = torch.randn(7, 8000, generator=g).to(dtype)
+    xs = [torch.randn(m, 2 * i, generator=g).to(dtype) for m in (1, 3, 8) for i in (1, 5, 40, 1536)]
+    xs += [
+        wide[:, :3072],
+        torch.randn(2, 4, 96, generator=g).to(dtype),
+        torch.randn(0, 64).to(dtype),
+    ]
+    for threads in (1, 2):
+        with num_threads(threads):
+            for x in xs:
+                got = NATIVE.silu_mul(x)
+                assert torch.equal(got, ops.silu_mul(x)), (tuple(x.shape), threads)
+    x = torch.randn(1, 2 * 4099, generator=g)  # a length ATen's vector loop leaves a tail of
+    unpadded = torch.nn.functional.silu(x[..., :4099]) * x[..., 4099:]
+    assert not torch.equal(NATIVE.silu_mul(x), unpadded)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_bits_equal_the_python_op(dtype: torch.dtype) -> None:
+    """Decode and prefill positions, far positions (past the Python table's first 4096 rows),
+    partial rotary (Qwen3-Next), q and k widths, a strided view; at 1 and 2 threads. The
+    reference is the engine's Python path: `apply_rope_at` (the table lookup) and, for the
+    same bits, the formula `apply_rope(x, *rope_cos_sin(...))`."""
+    g = torch.Generator().manual_seed(4)
+    cases = [  # (positions, heads, head_size, rotary_dim, base)
+        (torch.arange(8) + 40, 4, 128, 128, 1e6),
+        (torch.arange(300), 2, 128, 128, 1e4),
+        (torch.tensor([0, 4095, 4096, 40959, 131071]), 3, 64, 64, 5e5),
+        (torch.arange(5) + 17, 16, 256, 64, 1e7),  # partial rotary
+    ]
+    for threads in (1, 2):
+        with num_threads(threads):
+            for pos, h, d, rot, base in cases:
+                x = torch.randn(pos.shape[0], h * d, generator=g).to(dtype)
+                want = ops.apply_rope_at(x.view(-1, h, d), pos, rot, base).reshape(x.shape)
+                got = NATIVE.rope(pos, x, d, rot, base)
+                assert torch.equal(got, want), (tuple(pos[:3].tolist()), h, d, rot, threads)
+                formula = ops.apply_rope(x.view(-1, h, d), *ops.rope_cos_sin(pos, rot, base), rot)
+                assert torch.equal(got, formula.reshape(x.shape))
+    wide = torch.randn(6, 3 * 128, generator=g)
+    pos = torch.arange(6) + 9
+    got = NATIVE.rope(pos, wide[:, :256], 128, 128, 1e6)  # rows a stride apart
+    assert torch.equal(
+        got, ops.apply_rope_at(wide[:, :256].reshape(6, 2, 128), pos, 128, 1e6).reshape(6, 256)
+    )
+    # negative control: another base or the positions shifted by one give other bits
+    assert not torch.equal(got, NATIVE.rope(pos, wide[:, :256], 128, 128, 1e4))
+    assert not torch.equal(got, NATIVE.rope(pos + 1, wide[:, :256], 128, 128, 1e6))
+
+
 def test_refusals_are_loud() -> None:
     x, w = torch.randn(3, 64), torch.randn(32, 64)
     with pytest.raises(RuntimeError, match="differ"):
@@ -119,6 +175,10 @@ def test_refusals_are_loud() -> None:
         NATIVE.rms_norm_residual(x, torch.randn(64), 1e-6, False, torch.randn(4, 64))
     with pytest.raises(RuntimeError, match="fp32/bf16/fp16"):
         NATIVE.rms_norm(x.double(), torch.randn(64), 1e-6, False)
+    with pytest.raises(RuntimeError, match="rotary_dim"):
+        NATIVE.rope(torch.arange(3), x, 64, 65, 1e4)
+    with pytest.raises(RuntimeError, match="positions"):
+        NATIVE.rope(torch.arange(4), x, 64, 64, 1e4)
     assert cpu_torch_ops.runs_linear(x, w) and not cpu_torch_ops.runs_linear(x.double(), w)
 
 

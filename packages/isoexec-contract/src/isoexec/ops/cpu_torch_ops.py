@@ -9,6 +9,15 @@ fingerprint.
 
 - `rms_norm(x, weight, eps, zero_centered)` and `rms_norm_residual(..., residual)`: `norm.
   rms_norm` on CPU.
+- `silu_mul(x)`: `activation.silu_mul`, the same aten calls in C++ (its silu is ATen's,
+  padded as `_pointwise` pads it).
+- `rope(positions, x, head_size, rotary_dim, base)`: `rope.apply_rope_at` on CPU. The cos/sin
+  of the step's positions are `rope_cos_sin`'s aten calls made in C++ (a handful of values at
+  a decode step), not a lookup in the Python table: an entry depends only on its position, so
+  the bits are the table's, and no table size can be outgrown.
+- `moe_combine(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w, kind,
+  lanes)`: `moe.moe_combine` without gradient for a [T, H] x, the same aten calls and kernels
+  in C++ (`cpu_kernels/torch_ops_moe.cpp`), for the expert GEMMs in `MOE_KINDS`.
 - `linear(x, weight, bias)`: `gemm.linear` on CPU for fp32/bf16/fp16 without gradient. Its
   packed weights live in a C++ cache with the Python cache's rules, enabled and cleared by
   `gemm.enable_packed_weight_cache` and `gemm.clear_packed_weight_cache` (one protocol).
@@ -25,10 +34,12 @@ from functools import cache
 
 import torch
 
-from . import cpu_kernels, gemm
+from . import cpu_kernels, gemm, moe
 
 NAMESPACE = "isoexec_cpu"
-OPS = ("rms_norm", "rms_norm_residual", "linear")
+OPS = ("rms_norm", "rms_norm_residual", "linear", "silu_mul", "rope", "moe_combine")
+# The expert GEMMs `moe_combine` runs (`moe.expert_gemm`); AMX experts stay in Python.
+MOE_KINDS = (moe.GROUPED, moe.LINEAR_BLOCKS)
 
 
 @cache
@@ -50,6 +61,18 @@ def load() -> None:
     def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
+    @torch.library.register_fake(f"{NAMESPACE}::silu_mul")
+    def _(x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+    @torch.library.register_fake(f"{NAMESPACE}::rope")
+    def _(p: torch.Tensor, x: torch.Tensor, head: int, rot: int, base: float) -> torch.Tensor:
+        return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{NAMESPACE}::moe_combine")
+    def _(x: torch.Tensor, *rest: object) -> torch.Tensor:
+        return torch.empty_like(x)
+
     native = torch.ops.isoexec_cpu
     gemm.attach_native_pack_cache(native.set_pack_cache, native.clear_pack_cache)
 
@@ -70,4 +93,4 @@ def pack_cache_size() -> int:
     return int(torch.ops.isoexec_cpu.pack_cache_size())
 
 
-__all__ = ["NAMESPACE", "OPS", "load", "pack_cache_size", "runs_linear"]
+__all__ = ["MOE_KINDS", "NAMESPACE", "OPS", "load", "pack_cache_size", "runs_linear"]

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from isoexec import ops
-from isoexec.ops import cpu_kernels, cpu_torch_ops
+from isoexec.ops import cpu_kernels, cpu_torch_ops, moe
 from isoexec.ops.capture_guard import capture_guard_enabled, run_guarded
 from isoexec.ops.rope import rope_cos_sin_table
 from isoexec.vllm.opaque_op import opaque_op
@@ -277,12 +277,17 @@ class CompiledOps:
     def __init__(self, backend: str = "torch") -> None:
         self.backend = backend
         self._mod = _mod(backend)  # refuses an unknown backend here, at site construction
-        # On a CPU engine the torch backend's norms and linears are C++ operators
-        # (`ops.cpu_torch_ops`: the same kernels without Python in the call); built here, at
-        # site construction, not inside a compiled graph's trace.
+        # On a CPU engine the torch backend's norms, linears, SiLU-and-mul, RoPE and MoE are
+        # C++ operators (`ops.cpu_torch_ops`: the same kernels without Python in the call); built
+        # here, at site construction, not inside a compiled graph's trace.
         self._native = backend == ops.BACKEND and current_platform.is_cpu()
+        # the dtypes whose MoE experts the C++ operator runs, with their expert GEMM (AMX
+        # experts stay in Python); asked here, not while the graph is traced
+        self._moe_native: dict[torch.dtype, str] = {}
         if self._native:
             cpu_torch_ops.load()
+            kinds = {dt: moe.expert_gemm(dt) for dt in cpu_kernels.DTYPE_CODES}
+            self._moe_native = {dt: k for dt, k in kinds.items() if k in cpu_torch_ops.MOE_KINDS}
 
     def _native_for(self, x: Tensor) -> bool:
         """Whether this call goes to `torch.ops.isoexec_cpu` (a CPU tensor, no capture guard:
@@ -326,11 +331,15 @@ class CompiledOps:
         return torch.ops.isoexec.linear_tp_shard(self.backend, x, weight, bias, tp)
 
     def silu_mul(self, x: Tensor) -> Tensor:
+        if self._native_for(x):
+            return torch.ops.isoexec_cpu.silu_mul(x)
         return torch.ops.isoexec.silu_mul(self.backend, x)
 
     def rope(
         self, positions: Tensor, x: Tensor, head_size: int, rotary_dim: int, base: float
     ) -> Tensor:
+        if self._native_for(x) and x.dtype in cpu_kernels.DTYPE_CODES:
+            return torch.ops.isoexec_cpu.rope(positions, x, head_size, rotary_dim, base)
         return torch.ops.isoexec.rope(self.backend, positions, x, head_size, rotary_dim, base)
 
     def attn_output_gate(self, out: Tensor, gate: Tensor) -> Tensor:
@@ -351,6 +360,12 @@ class CompiledOps:
         shared_w2: Tensor | None = None,
         shared_gate_w: Tensor | None = None,
     ) -> Tensor:
+        kind = self._moe_native.get(x.dtype) if self._native_for(x) and x.dim() == 2 else None
+        if kind is not None:
+            return torch.ops.isoexec_cpu.moe_combine(
+                x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w,
+                kind, moe.DEFAULT_LANES,
+            )  # fmt: skip
         return torch.ops.isoexec.moe_combine(
             self.backend, x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w
         )

@@ -18,12 +18,22 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/cos.h>
+#include <ATen/ops/pow.h>
+#include <ATen/ops/reciprocal.h>
+#include <ATen/ops/sin.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/library.h>
+
+#include "torch_ops.h"
 
 #include <cstdint>
 #include <map>
@@ -36,27 +46,14 @@ extern "C" int isx_rms_norm_fwd(int64_t rows, int64_t dim, const void* x, int64_
                                 int64_t r_inner, int64_t r_outer, int64_t r_stride,
                                 const void* w, int w_dtype, void* y, void* r_out, int dtype,
                                 float eps, int zero_centered, int threads);
+extern "C" int isx_rope_apply(int64_t tokens, int64_t heads, int64_t dim, int64_t rot,
+                              const void* x, int64_t x_tok, int64_t x_head, const float* cos,
+                              const float* sin, const int64_t* pos, void* out, int dtype,
+                              int threads);
 extern "C" int isx_gemm(const void* x, int64_t M, int64_t K, int64_t N, int64_t ldx,
                         const void* wp, void* y, int dtype, int out_f32, int threads);
 
-namespace {
-
-constexpr int64_t kPanel = 32;  // columns per packed panel (gemm.cpp's NB, cpu_gemm.PANEL)
-
-// simd.h's DType codes (cpu_kernels.DTYPE_CODES); -1: a dtype no kernel takes.
-int dtype_code(at::ScalarType t) {
-  switch (t) {
-    case at::kFloat: return 0;
-    case at::kBFloat16: return 1;
-    case at::kHalf: return 2;
-    default: return -1;
-  }
-}
-
-void check_cpu_kernel_dtype(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.device().is_cpu() && dtype_code(t.scalar_type()) >= 0, op, ": ", name, " is ",
-              t.scalar_type(), " on ", t.device(), " (CPU: fp32/bf16/fp16)");
-}
+namespace isoexec_cpu {
 
 // ---- rms_norm --------------------------------------------------------------------------------
 // norm.py `_rows`: row i of t starts (i / inner) * outer + (i % inner) * stride elements in.
@@ -134,6 +131,65 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_residual(const at::Tensor& x,
   return rms_norm_impl(x, weight, eps, zero_centered, residual);
 }
 
+// ---- silu_mul -------------------------------------------------------------------------------
+// activation.py `silu_mul` with _pointwise.py `silu`: the same aten ops on the same operands
+// (flatten, zero-pad, silu, slice; multiply; round), so the same bits.
+at::Tensor silu_mul(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.device().is_cpu(), "silu_mul: x ", x.sizes(), " on ", x.device());
+  const int64_t d = x.size(-1), i = d / 2;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor gate = pointwise([](const at::Tensor& t) { return at::silu(t); },
+                                     xf.narrow(-1, 0, i));
+  return at::mul(gate, xf.narrow(-1, i, d - i)).to(x.scalar_type());
+}
+
+// ---- rope ------------------------------------------------------------------------------------
+// rope.py `rope_inv_freq`: 1 / base^(2i/rot) in fp32 (int64 arange -> fp32, / rot; pow through
+// `pointwise`; `1.0 / t` is torch's reciprocal times 1), kept per (rot, base).
+at::Tensor inv_freq(int64_t rot, double base) {
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, double>, at::Tensor> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto hit = cache.find({rot, base});
+  if (hit != cache.end()) return hit->second;
+  const at::Tensor e = at::arange(0, rot, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat)
+                           .div(static_cast<double>(rot));
+  const at::Tensor powed = pointwise([base](const at::Tensor& t) { return at::pow(base, t); }, e);
+  at::Tensor f = at::mul(at::reciprocal(powed), 1.0);
+  cache.emplace(std::make_pair(rot, base), f);
+  return f;
+}
+
+// compiled_ops `rope` on CPU: rope.py `rope_cos_sin` for these positions (fp32 angles, cos and
+// sin through `pointwise`), then the apply kernel, as `apply_rope` runs it. `apply_rope_at`'s
+// table rows are `rope_cos_sin` of the same positions (an entry depends only on its position),
+// so the bits equal the Python op's lookup.
+at::Tensor rope(const at::Tensor& positions, const at::Tensor& x, int64_t head_size,
+                int64_t rotary_dim, double base) {
+  check_cpu_kernel_dtype("rope", "x", x);
+  TORCH_CHECK(positions.device().is_cpu(), "rope: positions on ", positions.device());
+  const at::Tensor pos = positions.reshape({-1});
+  const int64_t t = pos.size(0);
+  TORCH_CHECK(head_size >= 1 && x.numel() % std::max<int64_t>(1, t * head_size) == 0,
+              "rope: x ", x.sizes(), " for ", t, " positions of heads of ", head_size);
+  at::Tensor heads = x.reshape({t, -1, head_size});
+  const int64_t h = heads.size(1), rot = rotary_dim, half = rot / 2;
+  TORCH_CHECK(rot % 2 == 0 && rot >= 2 && rot <= head_size, "apply_rope: rotary_dim ", rot,
+              " for head size ", head_size);
+  const at::Tensor freqs = at::mul(pos.to(at::kFloat).unsqueeze(1), inv_freq(rot, base).unsqueeze(0));
+  const at::Tensor cos = pointwise([](const at::Tensor& a) { return at::cos(a); }, freqs).contiguous();
+  const at::Tensor sin = pointwise([](const at::Tensor& a) { return at::sin(a); }, freqs).contiguous();
+  TORCH_CHECK(cos.size(0) == t && cos.size(1) == half, "rope: cos/sin ", cos.sizes());
+  if (heads.stride(-1) != 1) heads = heads.contiguous();
+  at::Tensor out = at::empty(heads.sizes(), heads.options().memory_format(at::MemoryFormat::Contiguous));
+  const int rc = isx_rope_apply(t, h, head_size, rot, heads.data_ptr(), heads.stride(0),
+                                heads.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
+                                nullptr, out.data_ptr(), dtype_code(x.scalar_type()),
+                                at::get_num_threads());
+  TORCH_CHECK(rc == 0, "IsoExec's RoPE CPU kernel refused its arguments (code ", rc, ")");
+  return out.reshape(x.sizes());
+}
+
 // ---- packed weights --------------------------------------------------------------------------
 // cpu_gemm.py `pack_panels`: [N, K] -> [ceil(N/32), K, 32] (bf16: [.., K/2, 32, 2]), zero past N.
 at::Tensor pack_panels(const at::Tensor& weight) {
@@ -202,8 +258,22 @@ int64_t pack_cache_size() {
   return static_cast<int64_t>(pack_cache.size());
 }
 
-// ---- linear ----------------------------------------------------------------------------------
-// gemm.py `linear` without gradient, on CPU (`_block_gemm` -> cpu_gemm.py `panel_gemm`).
+// ---- linear ---------------------------------------------------------------------------------
+// cpu_gemm.py `panel_gemm` of x2 [M, K] with `weight` [N, K] packed (cached): [M, N] in x's dtype.
+at::Tensor gemm_rows(const at::Tensor& x_rows, const at::Tensor& weight) {
+  at::Tensor x2 = x_rows;
+  const int64_t m = x2.size(0), k = x2.size(1), n = weight.size(0);
+  if (x2.stride(-1) != 1 || (m > 1 && x2.stride(0) < k)) x2 = x2.contiguous();
+  at::Tensor packed = packed_weight(weight);
+  at::Tensor y = at::empty({m, n}, x2.options());
+  const int64_t ldx = m > 1 ? x2.stride(0) : k;
+  const int rc = isx_gemm(x2.data_ptr(), m, k, n, ldx, packed.data_ptr(), y.data_ptr(),
+                          dtype_code(x2.scalar_type()), 0, at::get_num_threads());
+  TORCH_CHECK(rc == 0, "IsoExec's CPU GEMM kernel refused its arguments (code ", rc, ")");
+  return y;
+}
+
+// gemm.py `linear` without gradient, on CPU (`_block_gemm` -> `gemm_rows`).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
                   const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "linear: x ", x.scalar_type(),
@@ -215,21 +285,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight,
   TORCH_CHECK(weight.size(1) == k, "linear: x ", x.sizes(), " against weight ", weight.sizes());
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end() - 1);
   out_shape.push_back(n);
-  at::Tensor x2 = x.reshape({-1, k});
-  const int64_t m = x2.size(0);
-  if (x2.stride(-1) != 1 || (m > 1 && x2.stride(0) < k)) x2 = x2.contiguous();
-  at::Tensor packed = packed_weight(weight);
-  at::Tensor y = at::empty({m, n}, x.options());
-  const int64_t ldx = m > 1 ? x2.stride(0) : k;
-  const int rc = isx_gemm(x2.data_ptr(), m, k, n, ldx, packed.data_ptr(), y.data_ptr(),
-                          dtype_code(x.scalar_type()), 0, at::get_num_threads());
-  TORCH_CHECK(rc == 0, "IsoExec's CPU GEMM kernel refused its arguments (code ", rc, ")");
-  y = y.view(out_shape);
+  at::Tensor y = gemm_rows(x.reshape({-1, k}), weight).view(out_shape);
   if (bias.has_value()) y = at::add(y, bias->to(y.scalar_type()));
   return y;
 }
 
-}  // namespace
+}  // namespace isoexec_cpu
+
+using namespace isoexec_cpu;
 
 TORCH_LIBRARY(isoexec_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, bool zero_centered) -> Tensor");
@@ -237,6 +300,8 @@ TORCH_LIBRARY(isoexec_cpu, m) {
       "rms_norm_residual(Tensor x, Tensor weight, float eps, bool zero_centered, "
       "Tensor residual) -> (Tensor, Tensor)");
   m.def("linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
+  m.def("silu_mul(Tensor x) -> Tensor");
+  m.def("rope(Tensor positions, Tensor x, int head_size, int rotary_dim, float base) -> Tensor");
   m.def("set_pack_cache(bool enabled) -> ()", &set_pack_cache);
   m.def("clear_pack_cache() -> ()", &clear_pack_cache);
   m.def("pack_cache_size() -> int", &pack_cache_size);
@@ -246,4 +311,6 @@ TORCH_LIBRARY_IMPL(isoexec_cpu, CPU, m) {
   m.impl("rms_norm", TORCH_FN(rms_norm));
   m.impl("rms_norm_residual", TORCH_FN(rms_norm_residual));
   m.impl("linear", TORCH_FN(linear));
+  m.impl("silu_mul", TORCH_FN(silu_mul));
+  m.impl("rope", TORCH_FN(rope));
 }
