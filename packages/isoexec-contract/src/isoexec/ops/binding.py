@@ -134,6 +134,7 @@ class SiteBinding:
         self.placement = placement
         self.impl = impl
         source = backend_ops(backend) if provider is None else provider
+        self.provider = source  # where the functions come from
         self.functions: dict[str, Callable[..., Any]] = {
             name: fn
             for name in sorted(ENTRY_POINTS[op])

@@ -18,6 +18,9 @@ fingerprint.
 - `moe_combine(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w, kind,
   lanes)`: `moe.moe_combine` without gradient for a [T, H] x, the same aten calls and kernels
   in C++ (`cpu_kernels/torch_ops_moe.cpp`), for the expert GEMMs in `MOE_KINDS`.
+- `paged_attention(query, kv_cache, block_table, seq_lens, query_start_loc, num_tokens, scale,
+  lanes, output)`: the CPU engine's attention step (isoexec.vllm `paged_forward` with the
+  output in the query's dtype) into `output` (`cpu_kernels/torch_ops_attention.cpp`).
 - `linear(x, weight, bias)`: `gemm.linear` on CPU for fp32/bf16/fp16 without gradient. Its
   packed weights live in a C++ cache with the Python cache's rules, enabled and cleared by
   `gemm.enable_packed_weight_cache` and `gemm.clear_packed_weight_cache` (one protocol).
@@ -37,7 +40,8 @@ import torch
 from . import cpu_kernels, gemm, moe
 
 NAMESPACE = "isoexec_cpu"
-OPS = ("rms_norm", "rms_norm_residual", "linear", "silu_mul", "rope", "moe_combine")
+OPS = ("rms_norm", "rms_norm_residual", "linear", "silu_mul", "rope", "moe_combine",
+       "paged_attention")  # fmt: skip
 # The expert GEMMs `moe_combine` runs (`moe.expert_gemm`); AMX experts stay in Python.
 MOE_KINDS = (moe.GROUPED, moe.LINEAR_BLOCKS)
 
@@ -72,6 +76,10 @@ def load() -> None:
     @torch.library.register_fake(f"{NAMESPACE}::moe_combine")
     def _(x: torch.Tensor, *rest: object) -> torch.Tensor:
         return torch.empty_like(x)
+
+    @torch.library.register_fake(f"{NAMESPACE}::paged_attention")
+    def _(*args: object) -> None:
+        return None
 
     native = torch.ops.isoexec_cpu
     gemm.attach_native_pack_cache(native.set_pack_cache, native.clear_pack_cache)

@@ -17,7 +17,10 @@ import torch
 
 from isoexec.contract.impl import ImplInfo
 from isoexec.ops import cpu_kernels
+from isoexec.ops.attention import DEFAULT_LANES
 from isoexec.ops.binding import bind
+from isoexec.ops.call_verify import note_call, verify_calls_enabled
+from isoexec.ops.capture_guard import capture_guard_enabled
 from isoexec.vllm.engine_binding import engine_binding
 from isoexec.vllm.layers import UnsupportedSiteError
 from isoexec.vllm.paged_attention import paged_forward
@@ -76,10 +79,14 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        bind(self, engine_binding("attention"))
+        self._binding = engine_binding("attention")
+        bind(self, self._binding)
         # Query positions once per step where the bound backend offers them (the torch ops';
         # the Triton twin, run here under its interpreter, computes its own per call).
         self.per_step = hasattr(self.ops, "paged_queries")
+        # the torch backend on a CPU engine runs the step as one C++ operator (the provider
+        # says: `CompiledOps.native_cpu`)
+        self.native = bool(getattr(self._binding.provider, "native_cpu", False))
         problems = []
         if self.attn_type != AttentionType.DECODER:
             problems.append(f"attention type {self.attn_type}")
@@ -126,6 +133,16 @@ class IsoCPUAttentionImpl(CPUAttentionBackendImpl):
             return output
         if not attn_metadata.causal or attn_metadata.dynamic_causal is not None:
             raise UnsupportedSiteError("canonical attention is causal decoder attention only")
+        if self.native and query.dtype == output.dtype and not capture_guard_enabled():
+            # the same step in C++ (`ops.cpu_torch_ops`: the same positions and kernel)
+            md = attn_metadata
+            if verify_calls_enabled():  # it stands in for the binding's `attention_paged`
+                note_call(self._binding, "attention_paged")
+            torch.ops.isoexec_cpu.paged_attention(
+                query, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                md.num_actual_tokens, self.scale, DEFAULT_LANES, output,
+            )  # fmt: skip
+            return output
         return paged_forward(
             self.ops, query, kv_cache, attn_metadata, output, self.scale, per_step=self.per_step
         )

@@ -289,6 +289,12 @@ class CompiledOps:
             kinds = {dt: moe.expert_gemm(dt) for dt in cpu_kernels.DTYPE_CODES}
             self._moe_native = {dt: k for dt, k in kinds.items() if k in cpu_torch_ops.MOE_KINDS}
 
+    @property
+    def native_cpu(self) -> bool:
+        """Whether this backend's CPU calls go to `torch.ops.isoexec_cpu` (the attention
+        backend asks, for its step)."""
+        return self._native
+
     def _native_for(self, x: Tensor) -> bool:
         """Whether this call goes to `torch.ops.isoexec_cpu` (a CPU tensor, no capture guard:
         the guard checks the Python ops' bodies)."""

@@ -134,8 +134,8 @@ def library(name: str) -> ctypes.CDLL:
 # The C++-registered torch operators (`torch_ops.cpp`) and the kernels they call. Only data
 # movement is added to the kernels, so these sources are not part of an op's fingerprint.
 TORCH_OP_SOURCES = (
-    "simd.h", "norm.cpp", "gemm.cpp", "rope.cpp", "moe.cpp",
-    "torch_ops.h", "torch_ops.cpp", "torch_ops_moe.cpp",
+    "simd.h", "norm.cpp", "gemm.cpp", "rope.cpp", "moe.cpp", "attention.cpp",
+    "torch_ops.h", "torch_ops.cpp", "torch_ops_moe.cpp", "torch_ops_attention.cpp",
 )  # fmt: skip
 
 
