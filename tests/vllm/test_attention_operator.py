@@ -6,8 +6,6 @@ give other bits."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -17,20 +15,9 @@ from isoexec import ops
 from isoexec.ops import cpu_torch_ops
 from isoexec.ops.attention import DEFAULT_LANES
 from isoexec.vllm.paged_attention import paged_forward
+from tests._support.threads import num_threads
 
 cpu_torch_ops.load()
-
-
-@contextmanager
-def num_threads(n: int) -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 NATIVE = torch.ops.isoexec_cpu
 H, HKV, D, BS = 4, 2, 64, 16
 
