@@ -130,7 +130,7 @@ def test_silu_mul_bits_equal_the_python_op(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_bits_equal_the_python_op(dtype: torch.dtype) -> None:
-    """Decode and prefill positions, far positions (past the Python table's first 4096 rows),
+    """Decode and prefill positions, far positions (past the tables' first 4096 rows: both grow),
     partial rotary (Qwen3-Next), q and k widths, a strided view; at 1 and 2 threads. The
     reference is the engine's Python path: `apply_rope_at` (the table lookup) and, for the
     same bits, the formula `apply_rope(x, *rope_cos_sin(...))`."""
@@ -140,6 +140,7 @@ def test_rope_bits_equal_the_python_op(dtype: torch.dtype) -> None:
         (torch.arange(300), 2, 128, 128, 1e4),
         (torch.tensor([0, 4095, 4096, 40959, 131071]), 3, 64, 64, 5e5),
         (torch.arange(5) + 17, 16, 256, 64, 1e7),  # partial rotary
+        (torch.tensor([-3, 0, 5, 2]), 2, 128, 128, 1e4),  # a position no table holds
     ]
     for threads in (1, 2):
         with num_threads(threads):

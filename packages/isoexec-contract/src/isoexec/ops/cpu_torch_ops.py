@@ -11,10 +11,10 @@ fingerprint.
   rms_norm` on CPU.
 - `silu_mul(x)`: `activation.silu_mul`, the same aten calls in C++ (its silu is ATen's,
   padded as `_pointwise` pads it).
-- `rope(positions, x, head_size, rotary_dim, base)`: `rope.apply_rope_at` on CPU. The cos/sin
-  of the step's positions are `rope_cos_sin`'s aten calls made in C++ (a handful of values at
-  a decode step), not a lookup in the Python table: an entry depends only on its position, so
-  the bits are the table's, and no table size can be outgrown.
+- `rope(positions, x, head_size, rotary_dim, base)`: `rope.apply_rope_at` on CPU: the kernel
+  reads each token's row of a cos/sin table by its position. The table is built in C++ by
+  `rope_cos_sin`'s aten calls, with `_table`'s sizes and growth (rows depend only on their
+  position, so any table gives the same bits).
 - `moe_combine(x, topk_weights, topk_ids, w13, w2, shared_w13, shared_w2, shared_gate_w, kind,
   lanes)`: `moe.moe_combine` without gradient for a [T, H] x, the same aten calls and kernels
   in C++ (`cpu_kernels/torch_ops_moe.cpp`), for the expert GEMMs in `MOE_KINDS`.

@@ -39,6 +39,7 @@
 #include <map>
 #include <mutex>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 extern "C" int isx_rms_norm_fwd(int64_t rows, int64_t dim, const void* x, int64_t x_inner,
@@ -160,32 +161,63 @@ at::Tensor inv_freq(int64_t rot, double base) {
   return f;
 }
 
-// compiled_ops `rope` on CPU: rope.py `rope_cos_sin` for these positions (fp32 angles, cos and
-// sin through `pointwise`), then the apply kernel, as `apply_rope` runs it. `apply_rope_at`'s
-// table rows are `rope_cos_sin` of the same positions (an entry depends only on its position),
-// so the bits equal the Python op's lookup.
+// rope.py `rope_cos_sin`: fp32 (cos, sin) [T, rot/2] of integer positions [T] (fp32 angles,
+// cos and sin through `pointwise`). An entry depends only on its position.
+std::pair<at::Tensor, at::Tensor> cos_sin(const at::Tensor& pos, int64_t rot, double base) {
+  const at::Tensor freqs = at::mul(pos.reshape({-1}).to(at::kFloat).unsqueeze(1),
+                                   inv_freq(rot, base).unsqueeze(0));
+  return {pointwise([](const at::Tensor& a) { return at::cos(a); }, freqs).contiguous(),
+          pointwise([](const at::Tensor& a) { return at::sin(a); }, freqs).contiguous()};
+}
+
+// rope.py `_table`: `cos_sin` of positions 0..n-1 covering `need` positions, kept per (rot,
+// base) and rebuilt twice as long when a position reaches past it (at least 4096 rows). Why a
+// table and not the step's positions: cos and sin of the tiny angles of the slow dimensions
+// pass through subnormals, which cost this CPU microcode assists (a 512-value call measured
+// 10 us to 4 ms), once per table instead of every call.
+std::pair<at::Tensor, at::Tensor> table(int64_t rot, double base, int64_t need) {
+  static std::mutex mutex;
+  static std::map<std::pair<int64_t, double>, std::pair<at::Tensor, at::Tensor>> cache;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto hit = cache.find({rot, base});
+  if (hit != cache.end() && hit->second.first.size(0) >= need) return hit->second;
+  int64_t n = 1;
+  while (n < need) n *= 2;
+  n = std::max<int64_t>(4096, n);
+  auto built = cos_sin(at::arange(n, at::TensorOptions().dtype(at::kLong)), rot, base);
+  cache[{rot, base}] = built;
+  return built;
+}
+
+// compiled_ops `rope` on CPU: rope.py `apply_rope_at`, the kernel reading each token's row of
+// the table by its position (the rows are `rope_cos_sin` of the positions: the same bits as the
+// formula); positions no table holds (a negative one) get `cos_sin` of themselves.
 at::Tensor rope(const at::Tensor& positions, const at::Tensor& x, int64_t head_size,
                 int64_t rotary_dim, double base) {
   check_cpu_kernel_dtype("rope", "x", x);
   TORCH_CHECK(positions.device().is_cpu(), "rope: positions on ", positions.device());
-  const at::Tensor pos = positions.reshape({-1});
+  const at::Tensor pos = positions.reshape({-1}).to(at::kLong).contiguous();
   const int64_t t = pos.size(0);
   TORCH_CHECK(head_size >= 1 && x.numel() % std::max<int64_t>(1, t * head_size) == 0,
               "rope: x ", x.sizes(), " for ", t, " positions of heads of ", head_size);
   at::Tensor heads = x.reshape({t, -1, head_size});
-  const int64_t h = heads.size(1), rot = rotary_dim, half = rot / 2;
+  const int64_t h = heads.size(1), rot = rotary_dim;
   TORCH_CHECK(rot % 2 == 0 && rot >= 2 && rot <= head_size, "apply_rope: rotary_dim ", rot,
               " for head size ", head_size);
-  const at::Tensor freqs = at::mul(pos.to(at::kFloat).unsqueeze(1), inv_freq(rot, base).unsqueeze(0));
-  const at::Tensor cos = pointwise([](const at::Tensor& a) { return at::cos(a); }, freqs).contiguous();
-  const at::Tensor sin = pointwise([](const at::Tensor& a) { return at::sin(a); }, freqs).contiguous();
-  TORCH_CHECK(cos.size(0) == t && cos.size(1) == half, "rope: cos/sin ", cos.sizes());
+  const int64_t* p = pos.data_ptr<int64_t>();
+  int64_t lo = 0, hi = -1;
+  for (int64_t i = 0; i < t; ++i) {
+    lo = i ? std::min(lo, p[i]) : p[i];
+    hi = std::max(hi, p[i]);
+  }
+  const bool lookup = t > 0 && lo >= 0;
+  const auto cs = lookup ? table(rot, base, hi + 1) : cos_sin(pos, rot, base);
   if (heads.stride(-1) != 1) heads = heads.contiguous();
   at::Tensor out = at::empty(heads.sizes(), heads.options().memory_format(at::MemoryFormat::Contiguous));
   const int rc = isx_rope_apply(t, h, head_size, rot, heads.data_ptr(), heads.stride(0),
-                                heads.stride(1), cos.data_ptr<float>(), sin.data_ptr<float>(),
-                                nullptr, out.data_ptr(), dtype_code(x.scalar_type()),
-                                at::get_num_threads());
+                                heads.stride(1), cs.first.data_ptr<float>(),
+                                cs.second.data_ptr<float>(), lookup ? p : nullptr, out.data_ptr(),
+                                dtype_code(x.scalar_type()), at::get_num_threads());
   TORCH_CHECK(rc == 0, "IsoExec's RoPE CPU kernel refused its arguments (code ", rc, ")");
   return out.reshape(x.sizes());
 }
