@@ -40,8 +40,6 @@ import torch
 from . import cpu_kernels, gemm, moe
 
 NAMESPACE = "isoexec_cpu"
-OPS = ("rms_norm", "rms_norm_residual", "linear", "silu_mul", "rope", "moe_combine",
-       "paged_attention")  # fmt: skip
 # The expert GEMMs `moe_combine` runs (`moe.expert_gemm`); AMX experts stay in Python.
 MOE_KINDS = (moe.GROUPED, moe.LINEAR_BLOCKS)
 
@@ -101,4 +99,4 @@ def pack_cache_size() -> int:
     return int(torch.ops.isoexec_cpu.pack_cache_size())
 
 
-__all__ = ["MOE_KINDS", "NAMESPACE", "OPS", "load", "pack_cache_size", "runs_linear"]
+__all__ = ["MOE_KINDS", "NAMESPACE", "load", "pack_cache_size", "runs_linear"]

@@ -27,10 +27,9 @@ _LIBRARY = torch.library.Library(NAMESPACE, "FRAGMENT")
 class OpaqueOp:
     """A registered op: call it like the function; `register_fake` takes its shape rule."""
 
-    def __init__(self, name: str, fn: Callable[..., Any]) -> None:
+    def __init__(self, name: str) -> None:
         self.name = name
         self.qualname = f"{NAMESPACE}::{name}"
-        self._fn = fn
 
     def __call__(self, *args: Any) -> Any:
         return getattr(torch.ops.isoexec, self.name)(*args)
@@ -49,7 +48,7 @@ def opaque_op(name: str, *, mutates_args: Iterable[str] = ()) -> Callable[..., O
         _LIBRARY.define(name + schema)
         for key in DISPATCH_KEYS:
             _LIBRARY.impl(name, fn, key)
-        return OpaqueOp(name, fn)
+        return OpaqueOp(name)
 
     return register
 
